@@ -1,0 +1,25 @@
+// extern "C" CUDA entry points of purlin_sglang._native. The binding layer only checks and
+// converts arguments; each kernel lives in kernels/ and launches through kernels::launch().
+#include <cuda_runtime.h>
+
+#include "kernels/copy_kernel.cuh"
+#include "purlin/native.h"
+
+PURLIN_API const char* purlin_cuda_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+PURLIN_API int purlin_cuda_device_count(int* count) {
+  if (count == nullptr) return cudaErrorInvalidValue;
+  *count = 0;
+  return static_cast<int>(cudaGetDeviceCount(count));
+}
+
+PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* stream) {
+  return static_cast<int>(purlin::kernels::launch_copy(dst, src, bytes, static_cast<cudaStream_t>(stream), 0));
+}
+
+PURLIN_API int purlin_copy_atom_ex(void* dst, const void* src, size_t bytes, void* stream, int max_blocks) {
+  return static_cast<int>(
+      purlin::kernels::launch_copy(dst, src, bytes, static_cast<cudaStream_t>(stream), max_blocks));
+}

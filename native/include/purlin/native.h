@@ -1,0 +1,55 @@
+// The C ABI of purlin_sglang._native, bound from Python by purlin_sglang/native.py (ctypes).
+//
+// Every CUDA entry point returns a cudaError_t code (0 = success) and never aborts: on a machine
+// with no driver or no GPU it returns that error. Pointers may be local device memory or a
+// peer's memory mapped over NVLink (P2P). Streams are cudaStream_t handles (0 = legacy default).
+// Bump PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt) whenever a signature here changes.
+#pragma once
+#include <stddef.h>
+
+#define PURLIN_API extern "C" __attribute__((visibility("default")))
+
+// Always present.
+PURLIN_API int purlin_native_abi_version(void);
+// JSON: {"abi": 2, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
+PURLIN_API const char* purlin_native_build_info(void);
+
+// Present only when the module was built with CUDA.
+PURLIN_API const char* purlin_cuda_error_string(int code);
+// Number of visible CUDA devices in *count; returns the cudaError_t of cudaGetDeviceCount.
+PURLIN_API int purlin_cuda_device_count(int* count);
+// Copy atom: dst[0:bytes] = src[0:bytes] on `stream` (asynchronous; the ranges must not overlap).
+// Any alignment and any size; 16-byte accesses where dst and src agree modulo 16.
+// Safe under CUDA graph capture (one kernel launch, no host sync, no allocation).
+PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* stream);
+// Same, with at most `max_blocks` thread blocks (0 = enough to fill the device): collectives
+// bound the SMs a copy may take.
+PURLIN_API int purlin_copy_atom_ex(void* dst, const void* src, size_t bytes, void* stream, int max_blocks);
+
+// Reduce atom (ABI 2). Element types, the `dtype` argument (0 is no type, on purpose):
+enum purlin_dtype {
+  PURLIN_DTYPE_BFLOAT16 = 1,  // accumulated in float32, rounded back to nearest even
+  PURLIN_DTYPE_FLOAT16 = 2,   // accumulated in float32, rounded back to nearest even
+  PURLIN_DTYPE_FLOAT32 = 3,
+  PURLIN_DTYPE_FLOAT64 = 4,
+  PURLIN_DTYPE_INT32 = 5,     // sum wraps modulo 2^32
+  PURLIN_DTYPE_INT64 = 6,     // sum wraps modulo 2^64
+};
+// Reduction operators, the `op` argument. MAX/MIN propagate NaN (torch.maximum/minimum).
+enum purlin_reduce_op {
+  PURLIN_REDUCE_SUM = 1,
+  PURLIN_REDUCE_MAX = 2,
+  PURLIN_REDUCE_MIN = 3,
+};
+#define PURLIN_REDUCE_MAX_SOURCES 8
+// dst[0:n] = op(srcs[0][0:n], ..., srcs[nsrc-1][0:n]) on `stream` (asynchronous), n = nbytes / the
+// element size; 1 <= nsrc <= 8. Bitwise the CPU engine's reduction: sources combined in order
+// ((s0 op s1) op s2) ..., 16-bit floats accumulated in float32. `srcs` is a HOST array of nsrc
+// device pointers (read during the call only); every pointer must be aligned to the element size;
+// 16-byte accesses where all pointers agree with dst modulo 16. dst may equal one source exactly
+// (in place) but must not otherwise overlap one. At most `max_blocks` thread blocks (0 = enough
+// to fill the device). Returns cudaErrorInvalidValue for an unknown dtype or op, nsrc out of
+// range, nbytes not a multiple of the element size, or a null or misaligned pointer (nothing is
+// launched); nbytes == 0 is a no-op. Safe under CUDA graph capture (one launch, no host sync).
+PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, size_t nbytes, int dtype, int op,
+                                  void* stream, int max_blocks);

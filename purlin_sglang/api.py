@@ -1,0 +1,440 @@
+"""The public API: Communicator and run_virtual.
+
+Collectives follow torch.distributed conventions along dim 0 (all_gather ==
+all_gather_into_tensor, reduce_scatter == reduce_scatter_tensor, all_to_all(_v)
+== all_to_all_single with splits; sizes are in rows of dim 0). Every method is
+collective: every rank of the group must make the same calls in the same order.
+Each validates its arguments before it touches shared state and returns the
+output tensor (``out=`` if given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .collectives import (
+    ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
+    REDUCE_SCATTER_V, CollectiveSpec, parse_op,
+)
+from .config import PurlinConfig
+from .engines import select_engine
+from .engines.cpu import REDUCE_DTYPES, CallContext, CpuEngine, fingerprint
+from .errors import (
+    PurlinBrokenError, PurlinClosedError, PurlinConfigError, PurlinError, PurlinPlanError,
+    PurlinTimeoutError, PurlinUnavailableError, PurlinValueError,
+)
+from .memory import HostWorkspace, WorkspaceLayout
+from .memory.host import unlink_shared
+from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
+
+
+def _coerce_config(config: Any) -> PurlinConfig:
+    if config is None:
+        return PurlinConfig()
+    if isinstance(config, PurlinConfig):
+        return config
+    if isinstance(config, dict):
+        return PurlinConfig.from_dict(config)
+    raise PurlinConfigError(f"config must be a PurlinConfig, a dict or None, got {type(config).__name__}")
+
+
+class _VirtualWorld:
+    """Shared state of N virtual ranks in one process."""
+
+    def __init__(self, world: int, config: PurlinConfig):
+        self.world = world
+        self.config = config
+        self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
+
+
+class Communicator:
+    """A group of ranks that run collectives together.
+
+    ``group`` is a torch.distributed process group (a gloo CPU group is enough; it
+    is used only to set up shared memory). ``device`` is ``"cpu"`` or a CUDA
+    device. Collective: every rank constructs its Communicator with the same
+    config. Close it with :meth:`close` (or use it as a context manager).
+    """
+
+    def __init__(self, group: Any = None, device: Any = "cpu", config: Any = None):
+        self.config = _coerce_config(config)
+        self.device = torch.device(device)
+        engine, self.memory = select_engine(self.device, self.config.memory)
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise PurlinValueError(
+                "Communicator: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group('gloo', ...) first, or use purlin_sglang.run_virtual"
+            )
+        group = group if group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise PurlinValueError("Communicator: this process is not a member of the given group")
+        layout = WorkspaceLayout(world, self.config.staging_bytes)
+        src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        # Every failure below is reported to every rank (an all-gather that is also the barrier),
+        # so a rank that cannot join never leaves the others blocked in a collective.
+        path, ws, problem = None, None, None
+        try:
+            if rank == 0:
+                try:
+                    ws, path = HostWorkspace.create_shared(layout)
+                except PurlinError as e:
+                    problem = ("unavailable", str(e))
+                box = [(path, self.config.staging_bytes)]
+            else:
+                box = [None]
+            dist.broadcast_object_list(box, src=src, group=group)
+            path_seen, staging_seen = box[0]
+            if rank != 0 and problem is None:
+                if staging_seen != self.config.staging_bytes:
+                    problem = ("config", f"rank 0 uses staging_bytes={staging_seen}, rank {rank} uses "
+                                         f"{self.config.staging_bytes}; every rank needs the same config")
+                elif path_seen is not None:
+                    try:
+                        ws = HostWorkspace.open_shared(layout, path_seen)
+                    except PurlinError as e:
+                        problem = ("unavailable", str(e))
+            problems: list = [None] * world
+            dist.all_gather_object(problems, problem, group=group)
+        finally:
+            if path is not None:
+                unlink_shared(path)  # every rank has mapped it (or failed): nothing can leak
+        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if failed:
+            if ws is not None:
+                ws.close()
+            kind = PurlinConfigError if any(p[0] == "config" for _, p in failed) else PurlinUnavailableError
+            raise kind("Communicator: " + "; ".join(f"rank {r}: {p[1]}" for r, p in failed))
+        self._init(ws, rank, world, engine.name, group)
+
+    @classmethod
+    def _virtual(cls, vworld: _VirtualWorld, rank: int) -> "Communicator":
+        self = cls.__new__(cls)
+        self.config = vworld.config
+        self.device = torch.device("cpu")
+        engine, self.memory = select_engine(self.device, self.config.memory)
+        self._init(vworld.workspace, rank, vworld.world, engine.name, None)
+        return self
+
+    def _init(self, ws: HostWorkspace, rank: int, world: int, engine: str, group: Any) -> None:
+        self.rank, self.world_size, self.group = rank, world, group
+        self.engine_name = engine
+        self._ws = ws
+        self._engine = CpuEngine(ws, rank, world, self.config.timeout_s)
+        self._seq = 0
+        self._closed = False
+        self._plans: dict[tuple, Plan] = {}
+        self._schedules: dict[tuple, Schedule] = {}
+
+    # -- properties --------------------------------------------------------------------------
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of shared memory this communicator's group holds (host memory on CPU)."""
+        return 0 if self._closed else self._ws.nbytes
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes of GPU memory held by this communicator (0 for the CPU engine)."""
+        return 0
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._engine.broken else "ready")
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"engine={self.engine_name}, memory={self.memory}, {state})")
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: Any = "sum", *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce ``x`` over all ranks; every rank receives the result. ``out`` may be ``x`` (in place)."""
+        return self.run(ALL_REDUCE, x, out=out, op=op)
+
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along dim 0 in rank order (all_gather_into_tensor)."""
+        return self.run(ALL_GATHER, x, out=out)
+
+    def reduce_scatter(self, x: torch.Tensor, op: Any = "sum", *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce ``x`` over ranks; rank r receives slice r of dim 0 (reduce_scatter_tensor)."""
+        return self.run(REDUCE_SCATTER, x, out=out, op=op)
+
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Slice r of ``x`` goes to rank r; slice p of the output came from rank p (equal splits)."""
+        return self.run(ALL_TO_ALL, x, out=out)
+
+    def all_gather_v(self, x: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All-gather with per-rank row counts ``sizes`` (``sizes[rank] == x.shape[0]``)."""
+        sizes = self._splits("all_gather_v", "sizes", sizes)
+        if sizes[self.rank] != self._rows(x):
+            raise PurlinValueError(
+                f"all_gather_v: sizes[{self.rank}]={sizes[self.rank]} but x has {self._rows(x)} rows on rank {self.rank}"
+            )
+        return self.run(ALL_GATHER_V, x, out=out, out_splits=sizes)
+
+    def reduce_scatter_v(self, x: torch.Tensor, sizes: Sequence[int], op: Any = "sum", *,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce-scatter where rank r receives ``sizes[r]`` rows (``sum(sizes) == x.shape[0]``)."""
+        return self.run(REDUCE_SCATTER_V, x, out=out, op=op, in_splits=sizes)
+
+    def all_to_all_v(self, x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int], *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p."""
+        return self.run(ALL_TO_ALL_V, x, out=out, in_splits=input_splits, out_splits=output_splits)
+
+    def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the root's ``x`` to every rank; by default in place into ``x`` (as torch.distributed)."""
+        return self.run(BROADCAST, x, out=x if out is None else out, root=root)
+
+    def run(self, spec: CollectiveSpec, x: torch.Tensor, *, out: torch.Tensor | None = None, op: Any = None,
+            root: int | None = None, in_splits: Sequence[int] | None = None,
+            out_splits: Sequence[int] | None = None) -> torch.Tensor:
+        """Run any collective named by ``spec`` (a catalog entry or your own).
+
+        ``op``: the reduction for reduce specs (default sum). ``root``: for rooted
+        specs. ``in_splits`` / ``out_splits``: row counts per rank for sliced V
+        layouts. Blocks the host until this rank's part is done.
+        """
+        name = spec.name if isinstance(spec, CollectiveSpec) else "run"
+        self._check_usable(name)
+        if not isinstance(spec, CollectiveSpec):
+            raise PurlinValueError(f"run: spec must be a CollectiveSpec, got {type(spec).__name__}")
+        consume = spec.consume
+        if consume.is_copy:
+            if op is not None:
+                raise PurlinValueError(f"{name}: op={op!r} given, but {name} copies and does not reduce")
+        else:
+            try:
+                consume = consume.with_op(op if op is not None else "sum")
+            except PurlinValueError as e:  # messages start with the op (STYLE.md)
+                raise PurlinValueError(f"{name}: {e}") from None
+        if spec.rooted:
+            if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
+                raise PurlinValueError(f"{name}: root must be a rank in [0, {self.world_size}), got {root!r}")
+        elif root is not None:
+            raise PurlinValueError(f"{name}: root={root!r} given, but {name} has no root")
+        self._check_tensor(name, "x", x)
+        if not consume.is_copy and x.dtype not in REDUCE_DTYPES:
+            raise PurlinValueError(
+                f"{name}: cannot reduce dtype {x.dtype}; reductions support "
+                f"{[str(d).replace('torch.', '') for d in REDUCE_DTYPES]}"
+            )
+        in_rows, out_rows = self._sizes(spec, x, in_splits, out_splits)
+        rest = tuple(x.shape[1:])
+        out_shape = (sum(out_rows),) + rest if x.dim() else ()
+        if x.dim() == 0 and spec.output.sliced:
+            raise PurlinValueError(f"{name}: x must have at least one dimension")
+        out = self._check_out(spec, name, x, out, out_shape)
+        row_bytes = x.element_size() * (int(torch.Size(rest).numel()) if x.dim() else 1)
+        sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
+        nbytes = sum(sizes.input)
+        algorithm = choose_algorithm(spec.with_consume(consume), nbytes, self.config.tuning)
+        pkey = (spec, consume, root, algorithm)
+        plan = self._plans.get(pkey)
+        if plan is None:
+            s = spec if consume == spec.consume else spec.with_consume(consume)
+            policy = self.config.tuning.model_copy(update={"algorithm": algorithm})
+            plan = make_plan(s, self.world_size, self.rank, root=root, nbytes=nbytes,
+                             staging_bytes=self.config.staging_bytes, policy=policy)
+            self._plans[pkey] = plan
+        skey = (pkey, sizes)
+        sched = self._schedules.get(skey)
+        if sched is None:
+            sched = lower(plan, sizes)
+            if len(self._schedules) > 256:
+                self._schedules.clear()
+            self._schedules[skey] = sched
+        fixed_total = None if spec.variable else nbytes
+        fp = fingerprint(plan.key + (str(x.dtype), row_bytes, fixed_total))
+        self._seq += 1
+        ctx = CallContext(name, self._seq, fp, x.dtype, _bytes(x), _bytes(out))
+        self._engine.execute(sched, ctx)
+        return out
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_usable(self, name: str) -> None:
+        if self._closed:
+            raise PurlinClosedError(f"{name}: the communicator is closed; create a new one")
+        if self._engine.broken:
+            raise PurlinBrokenError(
+                f"{name}: the communicator is broken by an earlier failure ({self._engine.broken}); "
+                "create a new Communicator on every rank"
+            )
+
+    def _check_tensor(self, name: str, what: str, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise PurlinValueError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise PurlinValueError(f"{name}: {what} is on {t.device}, but the communicator runs on {self.device}")
+        if t.is_sparse or t.layout != torch.strided:
+            raise PurlinValueError(f"{name}: {what} must be a dense strided tensor")
+        if not t.is_contiguous():
+            raise PurlinValueError(f"{name}: {what} must be contiguous; call .contiguous() first")
+
+    @staticmethod
+    def _rows(x: torch.Tensor) -> int:
+        return int(x.shape[0]) if x.dim() else 1
+
+    def _splits(self, name: str, what: str, splits: Any) -> tuple[int, ...]:
+        if splits is None:
+            raise PurlinValueError(f"{name}: {what} is required for a V collective")
+        if isinstance(splits, torch.Tensor):
+            splits = splits.tolist()
+        try:
+            vals = tuple(splits)
+        except TypeError:
+            raise PurlinValueError(f"{name}: {what} must be a sequence of {self.world_size} ints") from None
+        if len(vals) != self.world_size:
+            raise PurlinValueError(f"{name}: {what} has {len(vals)} entries, the world size is {self.world_size}")
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise PurlinValueError(f"{name}: {what} must hold ints, got {v!r}")
+            if v < 0:
+                raise PurlinValueError(f"{name}: {what} has a negative size: {list(vals)}")
+        return vals
+
+    def _sizes(self, spec: CollectiveSpec, x: torch.Tensor, in_splits: Any, out_splits: Any):
+        """Row counts per input slice and per output slice for this rank."""
+        name, n, rows = spec.name, self.world_size, self._rows(x)
+        if spec.input.sliced:
+            if spec.variable:
+                in_rows = self._splits(name, "input splits", in_splits)
+                if sum(in_rows) != rows:
+                    raise PurlinValueError(
+                        f"{name}: input splits sum to {sum(in_rows)} rows but x has {rows} rows on rank {self.rank}"
+                    )
+            else:
+                if in_splits is not None:
+                    raise PurlinValueError(f"{name}: in_splits is only for V collectives")
+                if rows % n:
+                    raise PurlinValueError(f"{name}: dim 0 of x ({rows}) must be divisible by the world size ({n})")
+                in_rows = (rows // n,) * n
+        else:
+            if in_splits is not None:
+                raise PurlinValueError(f"{name}: in_splits given, but the input is packed")
+            in_rows = (rows,)
+        if spec.output.sliced:
+            if spec.variable:
+                out_rows = self._splits(name, "output splits", out_splits)
+            else:
+                if out_splits is not None:
+                    raise PurlinValueError(f"{name}: out_splits is only for V collectives")
+                out_rows = ((rows,) if not spec.input.sliced else (rows // n,)) * n
+        else:
+            if out_splits is not None:
+                raise PurlinValueError(f"{name}: out_splits given, but the output is packed")
+            out_rows = (in_rows[self.rank],) if spec.input.sliced else (rows,)
+        return in_rows, out_rows
+
+    def _check_out(self, spec: CollectiveSpec, name: str, x: torch.Tensor, out: Any, shape: tuple) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=x.dtype, device=self.device)
+        self._check_tensor(name, "out", out)
+        if out.dtype != x.dtype:
+            raise PurlinValueError(f"{name}: out has dtype {out.dtype}, x has {x.dtype}; they must match")
+        if tuple(out.shape) != tuple(shape):
+            raise PurlinValueError(f"{name}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        if _overlaps(x, out):
+            same = x.data_ptr() == out.data_ptr() and x.nbytes == out.nbytes
+            if not (same and not spec.input.sliced and not spec.output.sliced):
+                raise PurlinValueError(
+                    f"{name}: out overlaps x; only all_reduce and broadcast may run in place (out is x)"
+                )
+        return out
+
+    # -- lifetime ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self):
+        """Context for CUDA graph capture. The CPU engine captures nothing: a no-op."""
+        self._check_usable("capture")
+        yield self
+
+    def close(self) -> None:
+        """Free this rank's resources. Not collective; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.close()
+        if self.group is not None:  # a process-shared mapping is this rank's own
+            self._ws.close()
+        self._ws = None
+        self._plans.clear()
+        self._schedules.clear()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any = "cpu", config: Any = None) -> list:
+    """Call ``fn(comm)`` once per virtual rank, concurrently, and return the results in rank order.
+
+    Virtual ranks are threads of this process sharing one workspace (CPU now; CUDA
+    loopback ranks once the CUDA engine exists). If any rank raises, the others are
+    released (their waits fail fast) and the first root-cause error is re-raised.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")
+    cfg = _coerce_config(config)
+    dev = torch.device(device)
+    select_engine(dev, cfg.memory)
+    vworld = _VirtualWorld(world_size, cfg)
+    comms = [Communicator._virtual(vworld, r) for r in range(world_size)]
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(comms[r])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[r] = e
+            comms[r]._engine.mark_broken(f"rank {r} raised {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"purlin-vrank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    try:
+        for r, t in enumerate(threads):
+            t.join(cfg.timeout_s * 4 + 60)
+            if t.is_alive():
+                raise PurlinTimeoutError(
+                    f"run_virtual: rank {r} did not return within {cfg.timeout_s * 4 + 60:g}s", rank=r, missing=[r]
+                )
+    finally:
+        for c in comms:
+            c.close()
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed
+        r, e = root[0]
+        if len(failed) > 1 and isinstance(e, Exception):
+            e.add_note(f"run_virtual: ranks {[f[0] for f in failed]} failed; this is rank {r}'s error")
+        raise e
+    return results
+
+
+__all__ = ["Communicator", "run_virtual", "PurlinError", "PurlinPlanError"]

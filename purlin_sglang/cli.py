@@ -1,0 +1,218 @@
+"""``purlin-sglang`` (also ``python -m purlin_sglang``): demo and info.
+
+* ``demo``: runs every catalog collective on the best engine present for world
+  sizes 2 to 8, checks each against a plain torch reference and prints a table;
+  the exit code is 1 on any mismatch.
+* ``info``: what this installation has (native build, GPU, NVSHMEM, SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import __version__
+
+
+# -- references: plain torch, written from torch.distributed semantics ---------------------------
+def _reduce_ref(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = parts[0].float().clone()
+    for p in parts[1:]:
+        acc = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](acc, p.float())
+    return acc.to(parts[0].dtype)
+
+
+def _case_inputs(name: str, world: int, rows: int, cols: int, gen: torch.Generator):
+    """Per-rank inputs and call arguments for one collective; sizes vary per rank for V forms."""
+    def rnd(n: int) -> torch.Tensor:
+        return torch.randn(n, cols, generator=gen)
+
+    if name in ("all_reduce", "all_gather", "broadcast"):
+        return [(rnd(rows), {}) for _ in range(world)]
+    if name in ("reduce_scatter", "all_to_all"):
+        return [(rnd(rows * world), {}) for _ in range(world)]
+    if name == "all_gather_v":
+        sizes = [int(torch.randint(0, 2 * rows + 1, (1,), generator=gen)) for _ in range(world)]
+        return [(rnd(sizes[r]), {"sizes": sizes}) for r in range(world)]
+    if name == "reduce_scatter_v":
+        sizes = [int(torch.randint(0, 2 * rows + 1, (1,), generator=gen)) for _ in range(world)]
+        return [(rnd(sum(sizes)), {"sizes": sizes}) for _ in range(world)]
+    if name == "all_to_all_v":
+        m = torch.randint(0, 2 * rows + 1, (world, world), generator=gen).tolist()
+        return [(rnd(sum(m[r])), {"input_splits": m[r], "output_splits": [m[p][r] for p in range(world)]})
+                for r in range(world)]
+    raise KeyError(name)
+
+
+def _reference(name: str, world: int, cases) -> list[torch.Tensor]:
+    xs = [c[0] for c in cases]
+    if name == "all_reduce":
+        return [_reduce_ref(xs, "sum")] * world
+    if name in ("all_gather", "all_gather_v"):
+        return [torch.cat(xs)] * world
+    if name == "broadcast":
+        return [xs[0]] * world
+    if name == "reduce_scatter":
+        return [_reduce_ref([x.chunk(world)[r] for x in xs], "sum") for r in range(world)]
+    if name == "reduce_scatter_v":
+        sizes = cases[0][1]["sizes"]
+        return [_reduce_ref([x.split(sizes)[r] for x in xs], "sum") for r in range(world)]
+    if name == "all_to_all":
+        return [torch.cat([x.chunk(world)[r] for x in xs]) for r in range(world)]
+    if name == "all_to_all_v":
+        return [torch.cat([xs[p].split(cases[p][1]["input_splits"])[r] for p in range(world)])
+                for r in range(world)]
+    raise KeyError(name)
+
+
+def _call(comm, name: str, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    if name == "broadcast":
+        return comm.broadcast(x.clone() if comm.rank == 0 else torch.empty_like(x), root=0)
+    return getattr(comm, name)(x, **kw)
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    """A progress bar on stderr (one line per tenth when stderr is not a terminal)."""
+    if not sys.stderr.isatty():
+        if done == total or done % max(1, total // 10) == 0:
+            sys.stderr.write(f"progress {done}/{total} {label}\n")
+        return
+    width = 30
+    fill = width * done // max(total, 1)
+    end = "\n" if done == total else ""
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<28}{end}")
+    sys.stderr.flush()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import run_virtual
+    from .collectives import CATALOG
+
+    worlds = list(range(args.min_world, args.max_world + 1))
+    names = list(CATALOG)
+    engine = "cpu (reference, virtual ranks)"
+    if torch.cuda.is_available():
+        print("note: a GPU is present, but the CUDA engine is not implemented yet; using the CPU engine",
+              file=sys.stderr)
+    cols = max(1, args.bytes // (4 * args.rows))
+    total, done, rows_out, bad = len(worlds) * len(names), 0, [], 0
+    _progress(0, total, "")
+    gen = torch.Generator().manual_seed(args.seed)
+    for world in worlds:
+        for name in names:
+            cases = _case_inputs(name, world, args.rows, cols, gen)
+            ref = _reference(name, world, cases)
+
+            def fn(comm, name=name, cases=cases):
+                x, kw = cases[comm.rank]
+                out = _call(comm, name, x, kw)
+                times = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    _call(comm, name, x, kw)
+                    times.append(time.perf_counter() - t0)
+                return out, times
+
+            results = run_virtual(world, fn, config={"timeout_s": args.timeout})
+            ok = all(torch.equal(results[r][0], ref[r]) for r in range(world))
+            bad += not ok
+            nbytes = sum(c[0].numel() * c[0].element_size() for c in cases) // world
+            med = statistics.median(results[0][1]) if args.iters else float("nan")
+            rows_out.append({"collective": name, "world": world, "bytes": nbytes, "engine": "cpu",
+                             "correct": ok, "median_us": med * 1e6})
+            done += 1
+            _progress(done, total, f"{name} world={world}")
+    print(f"purlin_sglang {__version__} demo: engine {engine}, float32, ~{args.bytes} bytes per rank, "
+          f"median of {args.iters} calls")
+    print(f"{'collective':<18}{'world':>6}{'bytes/rank':>12}{'engine':>8}{'correct':>9}{'median':>12}")
+    for r in rows_out:
+        print(f"{r['collective']:<18}{r['world']:>6}{r['bytes']:>12}{r['engine']:>8}"
+              f"{'yes' if r['correct'] else 'NO':>9}{r['median_us']:>10.1f}us")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_out, indent=2))
+        print(f"wrote {args.json}")
+    print(f"{len(rows_out) - bad} of {len(rows_out)} correct")
+    return 1 if bad else 0
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvshmem() -> str:
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return "not found (install the [cu12] or [cu13] extra)"
+    for base in spec.submodule_search_locations:
+        libs = sorted((Path(base) / "nvshmem" / "lib").glob("libnvshmem_host.so*"))
+        if libs:
+            ver = _dist_version("nvidia-nvshmem-cu13") or _dist_version("nvidia-nvshmem-cu12") or "?"
+            return f"{ver} at {libs[0].parent}"
+    return "not found (install the [cu12] or [cu13] extra)"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from . import native
+    from .engines import cuda_engine_status
+
+    b = native.build_info()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    info: dict[str, Any] = {
+        "purlin_sglang": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "native library": ("built" if b.get("built") else "NOT built") + (
+            f", CUDA archs {','.join(b.get('archs') or [])} (nvcc {b.get('nvcc')})" if b.get("cuda")
+            else f", no CUDA: {b.get('reason')}"),
+        "GPU": ", ".join(gpus) if gpus else "none visible to torch",
+        "engines": "cpu (reference): available; cuda: " + cuda_engine_status(),
+        "NVSHMEM": _nvshmem(),
+        "sglang": _dist_version("sglang") or "not installed (install the [sglang] extra)",
+        "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",
+    }
+    if args.json:
+        print(json.dumps({**info, "native_build_info": b}, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k + ':':<28}{v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="purlin-sglang", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="run every collective, check against torch, print a table")
+    d.add_argument("--min-world", type=int, default=2)
+    d.add_argument("--max-world", type=int, default=8)
+    d.add_argument("--bytes", type=int, default=64 * 1024, help="approximate payload bytes per rank")
+    d.add_argument("--rows", type=int, default=64, help="rows of dim 0 per rank")
+    d.add_argument("--iters", type=int, default=5, help="timed calls per collective")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--timeout", type=float, default=60.0, help="timeout_s of each communicator")
+    d.add_argument("--json", help="also write the table as JSON to this path")
+    d.set_defaults(fn=cmd_demo)
+    i = sub.add_parser("info", help="print what this installation has")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_info)
+    args = p.parse_args(argv)
+    if getattr(args, "min_world", 1) < 1 or getattr(args, "max_world", 1) < getattr(args, "min_world", 1):
+        p.error("need 1 <= --min-world <= --max-world")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""PurlinConfig: the one typed configuration of purlin_sglang.
+
+Defaults are documented on each field. ``PurlinConfig.from_yaml(path)`` reads a
+YAML mapping; unknown keys and bad values are rejected with a
+:class:`~purlin_sglang.errors.PurlinConfigError` that names the key. The library
+reads no environment variables at run time; the build reads ``PURLIN_CUDA_ARCHS`` and
+``PURLIN_DISABLE_CUDA`` (CMakeLists.txt).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import PurlinConfigError
+from .snac.policy import TuningPolicy
+
+MiB = 1024 * 1024
+
+
+class PurlinConfig(BaseModel):
+    """Configuration of a :class:`~purlin_sglang.Communicator`.
+
+    * ``timeout_s`` (60): longest wait for a peer before ``PurlinTimeoutError``.
+    * ``staging_bytes`` (64 MiB): staging buffer per rank; larger payloads cycle through it.
+    * ``memory`` (``auto``): symmetric memory provider: ``auto``, ``ipc``, ``nvshmem``,
+      ``torch``, ``loopback`` or ``host``. ``auto`` is ``host`` on CPU.
+    * ``deterministic`` (true): reductions in a fixed rank order, bitwise identical on
+      every rank and run. Every engine of this version is deterministic; ``false`` is
+      reserved for faster non-deterministic paths (none yet).
+    * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout_s: float = Field(60.0, gt=0, le=86400)
+    staging_bytes: int = Field(64 * MiB, ge=4096, le=1 << 40)
+    memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
+    deterministic: bool = True
+    tuning: TuningPolicy = Field(default_factory=TuningPolicy)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "purlin config") -> "PurlinConfig":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PurlinConfigError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise PurlinConfigError(_explain(e, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "PurlinConfig":
+        import yaml
+
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise PurlinConfigError(f"purlin config {p}: cannot read: {e.strerror or e}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PurlinConfigError(f"purlin config {p}: not valid YAML: {e}") from None
+        return cls.from_dict(data, source=f"purlin config {p}")
+
+    def replace(self, **changes: Any) -> "PurlinConfig":
+        """A copy with ``changes`` applied and validated."""
+        return type(self).from_dict({**self.model_dump(), **changes})
+
+
+def _known_keys(loc: tuple) -> str:
+    model: type[BaseModel] = PurlinConfig
+    for part in loc[:-1]:
+        ann = model.model_fields.get(str(part))
+        if ann is None or not isinstance(ann.annotation, type) or not issubclass(ann.annotation, BaseModel):
+            break
+        model = ann.annotation
+    return ", ".join(model.model_fields)
+
+
+def _explain(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{key}' (known keys: {_known_keys(err['loc'])})")
+        else:
+            lines.append(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)

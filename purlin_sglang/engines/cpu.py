@@ -1,0 +1,214 @@
+"""The CPU reference engine: executes lowered SNAC schedules on CPU tensors.
+
+It is the oracle for the CUDA engine and the datapath for CPU groups. It runs the
+same ops whichever way the ranks live (threads of one process, or processes on one
+host); only the workspace differs. Reductions accumulate 16-bit floats in float32
+and combine contributions in the order the plan lists them (rank order), so every
+rank computes bitwise identical results on every run.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import torch
+
+from ..collectives import ReduceOp
+from ..errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError
+from ..memory.host import HostWorkspace
+from ..memory.layout import RING, STATE_BROKEN, STATE_OK
+from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
+
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+
+
+def fingerprint(key: tuple) -> int:
+    """A stable 63-bit digest of a call's cross-rank invariants (the same in every process)."""
+    data = repr(key).encode()
+    return (zlib.crc32(data) << 31) ^ zlib.adler32(data)
+
+
+class CallContext:
+    """What one call needs besides the schedule: names for messages and the user's buffers."""
+
+    __slots__ = ("op", "seq", "fingerprint", "dtype", "inp", "out")
+
+    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, inp: torch.Tensor, out: torch.Tensor):
+        self.op, self.seq, self.fingerprint, self.dtype, self.inp, self.out = op, seq, fp, dtype, inp, out
+
+
+class CpuEngine:
+    name = "cpu"
+
+    def __init__(self, ws: HostWorkspace, rank: int, world: int, timeout_s: float):
+        self.ws, self.rank, self.world, self.timeout_s = ws, rank, world, timeout_s
+        lay = ws.layout
+        self.layout = lay
+        # Local mirrors of the counters this rank writes or expects.
+        self.sent = np.zeros((world, lay.max_items), dtype=np.int64)  # notifies I sent to c
+        self.expect = np.zeros((world, lay.max_items), dtype=np.int64)  # notifies I consumed from p
+        self.broken: str | None = None
+
+    # -- state -------------------------------------------------------------------------------
+    def mark_broken(self, reason: str) -> None:
+        self.broken = self.broken or reason
+        if self.ws.words is not None:
+            self.ws.words[self.layout.state_base + self.rank] = STATE_BROKEN
+
+    def _publish(self, ctx: CallContext, sched: Schedule) -> None:
+        w, lay = self.ws.words, self.layout
+        off = lay.desc_offset(self.rank, ctx.seq % RING)
+        w[off + 1] = ctx.fingerprint
+        w[off + 2: off + 2 + self.world] = sched.send_bytes
+        w[off] = ctx.seq  # last: publishes the entry
+
+    def _peer_seq(self, peer: int) -> int:
+        w, lay = self.ws.words, self.layout
+        return max(int(w[lay.desc_offset(peer, s)]) for s in range(RING))
+
+    def _check_peer(self, ctx: CallContext, sched: Schedule, peer: int) -> bool:
+        """True once ``peer`` is seen in this call with a matching descriptor; raises on a mismatch."""
+        w, lay = self.ws.words, self.layout
+        off = lay.desc_offset(peer, ctx.seq % RING)
+        if int(w[off]) != ctx.seq:
+            return False
+        fp = int(w[off + 1])
+        sent_to_me = int(w[off + 2 + self.rank])
+        if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
+            return True
+        if fp != ctx.fingerprint:
+            self._fail(PurlinMismatchError(
+                f"{ctx.op}: rank {self.rank} and rank {peer} entered call #{ctx.seq} with different "
+                "collectives, dtypes, roots or sizes; every rank must make the same calls in the same order",
+                op=ctx.op, rank=self.rank, peer=peer))
+        if sent_to_me != sched.recv_bytes[peer]:
+            self._fail(PurlinMismatchError(
+                f"{ctx.op}: rank {peer} sends {sent_to_me} bytes to rank {self.rank}, which expects "
+                f"{sched.recv_bytes[peer]} bytes (call #{ctx.seq}); the split sizes disagree between ranks",
+                op=ctx.op, rank=self.rank, peer=peer))
+        return True
+
+    def _fail(self, err: PurlinError) -> None:
+        self.mark_broken(str(err))
+        raise err
+
+    def _wait(self, ctx: CallContext, sched: Schedule, peer: int, ready, what: str, verified: set,
+              in_call: bool = True) -> None:
+        """Wait until ``ready()``. ``in_call``: the awaited signal is one ``peer`` gives in THIS call, so
+        once it is seen the peer's descriptor of this call is published (it is written first) and is
+        checked before the caller reads anything (a check made only before the signal arrived could
+        miss a descriptor published in between, and a mismatched call would read garbage)."""
+        if peer not in verified and self._check_peer(ctx, sched, peer):
+            verified.add(peer)
+        if ready():
+            if in_call and peer not in verified:
+                self._check_peer(ctx, sched, peer)  # False only if already overwritten: peer is far ahead
+                verified.add(peer)
+            return
+        w, lay = self.ws.words, self.layout
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        polls = 0
+        while True:
+            if ready():
+                if in_call and peer not in verified:
+                    self._check_peer(ctx, sched, peer)
+                    verified.add(peer)
+                return
+            if peer not in verified and self._check_peer(ctx, sched, peer):
+                verified.add(peer)
+            if int(w[lay.state_base + peer]) != STATE_OK:
+                self._fail(PurlinBrokenError(
+                    f"{ctx.op}: rank {self.rank} stopped waiting for rank {peer} ({what}, call #{ctx.seq}): "
+                    f"rank {peer} failed; create a new Communicator on every rank"))
+            now = time.monotonic()
+            if now > deadline:
+                behind = [p for p in range(self.world) if p != self.rank and self._peer_seq(p) < ctx.seq]
+                missing = behind or [peer]
+                detail = ", ".join(f"rank {p} last entered call #{self._peer_seq(p)}" for p in missing)
+                self._fail(PurlinTimeoutError(
+                    f"{ctx.op}: rank {self.rank} waited {self.timeout_s:g}s in call #{ctx.seq} for "
+                    f"rank(s) {missing} ({what}); {detail}. A rank skipped this call or is stuck; "
+                    "the communicator is now broken",
+                    op=ctx.op, rank=self.rank, missing=missing))
+            polls += 1
+            time.sleep(0 if polls < 64 else min(1e-3, 1e-6 * polls))
+
+    # -- execution ---------------------------------------------------------------------------
+    def _view(self, span: Span, ctx: CallContext) -> torch.Tensor:
+        if span.buf is Buf.INPUT:
+            base = ctx.inp
+        elif span.buf is Buf.OUTPUT:
+            base = ctx.out
+        else:
+            base = self.ws.staging[span.rank]
+        return base[span.offset: span.offset + span.nbytes]
+
+    def execute(self, sched: Schedule, ctx: CallContext) -> None:
+        """Run one rank's schedule. Collective: blocks until this rank's part is done."""
+        if self.broken:
+            raise PurlinBrokenError(f"{ctx.op}: the communicator is broken ({self.broken})")
+        try:
+            self._run(sched, ctx)
+        except PurlinError:
+            raise
+        except BaseException as e:  # never leave peers waiting on a half-run call
+            self.mark_broken(f"{type(e).__name__}: {e}")
+            raise
+
+    def _run(self, sched: Schedule, ctx: CallContext) -> None:
+        w, lay, me = self.ws.words, self.layout, self.rank
+        self._publish(ctx, sched)
+        verified: set[int] = set()
+        for op in sched.ops:
+            if isinstance(op, Copy):
+                dst, src = self._view(op.dst, ctx), self._view(op.src, ctx)
+                if dst.numel() and dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+            elif isinstance(op, Reduce):
+                self._reduce(op, ctx)
+            elif isinstance(op, Signal):
+                if op.kind == "notify":
+                    self.sent[op.peer, op.item] += 1
+                    w[lay.notify_index(me, op.peer, op.item)] = self.sent[op.peer, op.item]
+                else:
+                    w[lay.ack_index(op.peer, me, op.item)] += 1  # only I write this word
+            elif isinstance(op, WaitSignal):
+                if op.kind == "notify":
+                    self.expect[op.peer, op.item] += 1
+                    idx, target = lay.notify_index(op.peer, me, op.item), self.expect[op.peer, op.item]
+                    what = f"chunk {target} of its staging item {op.item}"
+                else:
+                    idx = lay.ack_index(me, op.peer, op.item)
+                    target = self.sent[op.peer, op.item] - op.lag
+                    what = f"drain of my staging item {op.item}"
+                self._wait(ctx, sched, op.peer, lambda: w[idx] >= target, what, verified)
+            elif isinstance(op, WaitDrainAll):
+                for c in op.peers:
+                    for i in range(op.items):
+                        idx, target = lay.ack_index(me, c, i), self.sent[c, i]
+                        self._wait(ctx, sched, c, lambda: w[idx] >= target,
+                                   "drain of the previous call's staging", verified, in_call=False)
+
+    def _reduce(self, op: Reduce, ctx: CallContext) -> None:
+        if op.dst.nbytes == 0:
+            return
+        dtype = ctx.dtype
+        acc_dtype = _ACC.get(dtype, dtype)
+        views = [self._view(s, ctx).view(dtype) for s in op.srcs]
+        acc = views[0].to(acc_dtype, copy=True)
+        for v in views[1:]:
+            v = v.to(acc_dtype)
+            if op.op is ReduceOp.SUM:
+                acc.add_(v)
+            elif op.op is ReduceOp.MAX:
+                torch.maximum(acc, v, out=acc)
+            else:
+                torch.minimum(acc, v, out=acc)
+        self._view(op.dst, ctx).view(dtype).copy_(acc)
+
+    def close(self) -> None:
+        self.ws = None

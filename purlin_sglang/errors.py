@@ -1,0 +1,81 @@
+"""One error hierarchy for purlin_sglang.
+
+Every error the library raises on purpose is a :class:`PurlinError`. Each subclass
+also derives from the builtin that fits (``ValueError`` for bad arguments,
+``RuntimeError`` for state and runtime failures), so callers that already catch
+those keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class PurlinError(Exception):
+    """Base of every purlin_sglang error."""
+
+
+class PurlinValueError(PurlinError, ValueError):
+    """A bad argument: wrong dtype, device, shape, sizes, op or spec. Nothing was touched."""
+
+
+class PurlinConfigError(PurlinValueError):
+    """A bad configuration key or value; the message names the key."""
+
+
+class PurlinPlanError(PurlinValueError):
+    """A collective naming or size set that the SNAC planner cannot plan."""
+
+
+class PurlinUnavailableError(PurlinError, RuntimeError):
+    """A requested engine, provider or native feature is not present; the message says what is missing."""
+
+
+class PurlinClosedError(PurlinError, RuntimeError):
+    """The communicator was closed; create a new one."""
+
+
+class PurlinBrokenError(PurlinError, RuntimeError):
+    """An earlier failure (timeout, mismatch) left the communicator unusable; create a new one."""
+
+
+class PurlinCudaError(PurlinError, RuntimeError):
+    """A CUDA call in the native library failed; ``code`` is the cudaError_t value."""
+
+    def __init__(self, message: str, *, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class PurlinTimeoutError(PurlinError, RuntimeError):
+    """A rank waited longer than ``timeout_s`` for peers that never arrived."""
+
+    def __init__(self, message: str, *, op: str = "", rank: int = -1, missing: Iterable[int] = ()):
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+        self.missing = tuple(missing)
+
+
+class PurlinMismatchError(PurlinError, RuntimeError):
+    """Ranks entered the same call with different collectives, dtypes or sizes."""
+
+    def __init__(self, message: str, *, op: str = "", rank: int = -1, peer: int = -1):
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+        self.peer = peer
+
+
+__all__ = [
+    "PurlinError",
+    "PurlinValueError",
+    "PurlinConfigError",
+    "PurlinPlanError",
+    "PurlinUnavailableError",
+    "PurlinClosedError",
+    "PurlinBrokenError",
+    "PurlinCudaError",
+    "PurlinTimeoutError",
+    "PurlinMismatchError",
+]

@@ -1,0 +1,181 @@
+"""The SNAC planner: one derivation of Stage / Notify / Consume from a naming.
+
+Nothing here knows a collective by name. The planner reads the spec's input and
+output layouts and consume op and answers, for one rank: which regions it stages
+into which items, who reads each item, which peers' items it waits for and how it
+copies or reduces them into its output. Two shapes of program come out:
+
+* ``oneshot`` (latency regime, and every copy collective): each consumer reads
+  every producer's contribution directly, one step.
+* ``twoshot`` (partitioned; reductions into a packed output that every rank
+  receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
+  reduces part ``q`` from everyone into a staging item, then every rank copies
+  every reduced part. Each rank reads ``2(n-1)/n`` of the payload instead of
+  ``n-1`` payloads.
+
+Both are chunked: the body runs once per chunk of at most ``chunk_bytes``, and
+staging items cycle through ``slots`` slots, so payloads larger than the staging
+buffer work (the throughput regime is the same program with many chunks).
+"""
+
+from __future__ import annotations
+
+from ..collectives import COPY, CollectiveSpec
+from ..errors import PurlinPlanError
+from .plan import (
+    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, RankProgram, Ref, Stage, Step, Wait,
+)
+from .policy import ALIGN, TuningPolicy
+
+
+def producers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
+    return (root,) if spec.input.rooted else tuple(range(world))
+
+
+def consumers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
+    return (root,) if spec.output.rooted else tuple(range(world))
+
+
+def max_items(world: int) -> int:
+    """Staging items per rank that any plan of ``world`` ranks may use (the two-shot plan's world + 1)."""
+    return world + 1
+
+
+def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy) -> str:
+    """``twoshot`` applies to reductions of a packed payload into a packed output on every rank."""
+    twoshot_ok = (
+        not spec.consume.is_copy
+        and not spec.input.sliced
+        and not spec.output.sliced
+        and not spec.rooted
+    )
+    if not twoshot_ok or policy.algorithm == "oneshot":
+        return "oneshot"
+    if policy.algorithm == "twoshot":
+        return "twoshot"
+    if nbytes is None:  # size resolved later (e.g. on device): bounded traffic per rank
+        return "twoshot"
+    return "oneshot" if nbytes <= policy.oneshot_max_bytes else "twoshot"
+
+
+def make_plan(
+    spec: CollectiveSpec,
+    world: int,
+    rank: int,
+    *,
+    root: int | None = None,
+    nbytes: int | None = None,
+    staging_bytes: int,
+    policy: TuningPolicy | None = None,
+) -> Plan:
+    """Derive the plan of ``spec`` for ``rank`` of ``world``.
+
+    ``nbytes`` (the per-rank payload, if known on the host) only steers the choice
+    of regime; the plan's structure does not depend on it. Deterministic: the same
+    arguments give an equal plan.
+    """
+    policy = policy or TuningPolicy()
+    if world < 1:
+        raise PurlinPlanError(f"{spec.name}: world size must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise PurlinPlanError(f"{spec.name}: rank {rank} is outside world size {world}")
+    if spec.rooted:
+        if root is None or not 0 <= root < world:
+            raise PurlinPlanError(f"{spec.name}: needs a root rank in [0, {world}), got {root!r}")
+    else:
+        root = None
+    algorithm = choose_algorithm(spec, nbytes, policy)
+    if algorithm == "twoshot":
+        items, body, notes = _twoshot(spec, world, rank)
+        n_items = max_items(world)
+    else:
+        items, body, notes = _oneshot(spec, world, rank, root)
+        n_items = world if spec.input.sliced else 1
+    slots = policy.slots
+    chunk = min(policy.max_chunk_bytes, staging_bytes // (n_items * slots))
+    chunk -= chunk % ALIGN
+    if chunk < ALIGN:
+        raise PurlinPlanError(
+            f"{spec.name}: staging_bytes={staging_bytes} is too small for {n_items} items x {slots} slots "
+            f"of at least {ALIGN} bytes; raise staging_bytes or lower tuning.slots"
+        )
+    prologue: tuple[Step, ...] = (DrainAll(),) if items else ()
+    program = RankProgram(rank, tuple(items), prologue, tuple(body))
+    return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
+
+
+def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
+    """Every consumer reads each producer's contribution straight from the producer's staging."""
+    prods = producers(spec, world, root)
+    cons = consumers(spec, world, root)
+    items: list[Item] = []
+    body: list[Step] = []
+    # Stage: what I send, one item per distinct region.
+    if me in prods:
+        if spec.input.sliced:
+            for c in cons:
+                if c != me:
+                    items.append(Item(c, Ref(Buf.INPUT, me, c), (c,)))
+        else:
+            readers = tuple(c for c in cons if c != me)
+            if readers:
+                items.append(Item(0, Ref(Buf.INPUT, me, None), readers))
+    for it in items:
+        body.append(Drain(it.index))
+        body.append(Stage(it.like, it.index))
+        body.append(Notify(it.index, it.readers))
+    # Consume: where each producer's contribution lands in my output.
+    if me in cons:
+        item_for_me = me if spec.input.sliced else 0
+
+        def source(p: int) -> Ref:
+            if p == me:
+                return Ref(Buf.INPUT, me, me if spec.input.sliced else None)
+            return Ref(Buf.STAGE, p, item_for_me)
+
+        def landing(p: int) -> Ref:
+            return Ref(Buf.OUTPUT, me, p if spec.output.sliced else None)
+
+        remote = [p for p in prods if p != me]
+        for p in remote:
+            body.append(Wait(p, item_for_me, landing(p)))
+        if spec.output.sliced or spec.consume.is_copy:
+            for p in prods:
+                body.append(ConsumeStep(COPY, landing(p), (source(p),)))
+        else:
+            body.append(ConsumeStep(spec.consume, landing(prods[0]), tuple(source(p) for p in prods)))
+        for p in remote:
+            body.append(Ack(p, item_for_me, landing(p)))
+    return items, body, ()
+
+
+def _twoshot(spec: CollectiveSpec, world: int, me: int):
+    """Reduce part ``me`` of everyone's input into my shard item, then copy every shard out."""
+    n = world
+    shard = n  # item index of my reduced part
+    others = tuple(q for q in range(n) if q != me)
+
+    def in_part(q: int) -> Ref:
+        return Ref(Buf.INPUT, me, None, (q, n))
+
+    def out_part(q: int) -> Ref:
+        return Ref(Buf.OUTPUT, me, None, (q, n))
+
+    items = [Item(q, in_part(q), (q,)) for q in others]
+    items.append(Item(shard, in_part(me), others))
+    body: list[Step] = []
+    for q in others:  # reduce-scatter of the parts
+        body += [Drain(q), Stage(in_part(q), q), Notify(q, (q,))]
+    body += [Wait(p, me, in_part(me)) for p in others]
+    body.append(Drain(shard))
+    srcs = tuple(in_part(me) if p == me else Ref(Buf.STAGE, p, me) for p in range(n))
+    body.append(ConsumeStep(spec.consume, Ref(Buf.STAGE, me, shard), srcs))
+    body += [Ack(p, me, in_part(me)) for p in others]
+    if others:  # all-gather of the reduced parts
+        body.append(Notify(shard, others))
+    body += [Wait(q, shard, out_part(q)) for q in others]
+    for q in range(n):
+        body.append(ConsumeStep(COPY, out_part(q), (Ref(Buf.STAGE, q, shard),)))
+    body += [Ack(q, shard, out_part(q)) for q in others]
+    notes = (f"output cut into {n} parts aligned to {ALIGN} bytes; part q is reduced by rank q",)
+    return items, body, notes

@@ -1,0 +1,267 @@
+"""Plain torch references for every collective, and input/poison helpers shared by the engine tests.
+
+Reductions are DEFINED as: accumulate (16-bit floats in float32, everything else in its own
+dtype) in rank order 0..n-1, then cast back. The references below do exactly that, so engine
+results are compared bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COPY_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+)
+REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
+OPS = ("sum", "max", "min")
+
+
+def make_input(seed: int, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Fresh random, nonzero-valued input of rank ``rank`` (the same in every process for the same seed)."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank * 7919 + 1)
+    shape = tuple(shape)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g)).to(dtype)
+    if dtype.is_floating_point:
+        v = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+        return torch.where(v == 0, torch.ones_like(v), v).to(dtype)
+    lo, hi = (0, 255) if dtype is torch.uint8 else (-100, 100)
+    v = torch.randint(lo, hi, shape, generator=g, dtype=torch.int64)
+    return torch.where(v == 0, torch.full_like(v, 7), v).to(dtype)
+
+
+def reduce_ref(tensors, op: str) -> torch.Tensor:
+    """The defined reduction: accumulate in rank order (16-bit floats in float32), then cast."""
+    dtype = tensors[0].dtype
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = tensors[0].to(acc_dtype).clone()
+    for t in tensors[1:]:
+        t = t.to(acc_dtype)
+        if op == "sum":
+            acc = acc + t
+        elif op == "max":
+            acc = torch.maximum(acc, t)
+        elif op == "min":
+            acc = torch.minimum(acc, t)
+        else:
+            raise ValueError(op)
+    return acc.to(dtype)
+
+
+def all_reduce(xs, r, op="sum"):
+    return reduce_ref(xs, op)
+
+
+def all_gather(xs, r):
+    return torch.cat(list(xs))
+
+
+def reduce_scatter(xs, r, op="sum"):
+    n = len(xs)
+    return reduce_ref([x.chunk(n)[r] if x.shape[0] else x for x in xs], op)
+
+
+def all_to_all(xs, r):
+    n = len(xs)
+    return torch.cat([x[r * (x.shape[0] // n):(r + 1) * (x.shape[0] // n)] for x in xs])
+
+
+def all_gather_v(xs, r):
+    return torch.cat(list(xs))
+
+
+def reduce_scatter_v(xs, r, sizes, op="sum"):
+    return reduce_ref([x.split(list(sizes))[r] for x in xs], op)
+
+
+def all_to_all_v(xs, r, send):
+    """``send[p][q]``: rows rank p sends to rank q."""
+    return torch.cat([x.split(list(send[p]))[r] for p, x in enumerate(xs)])
+
+
+def broadcast(xs, r, root):
+    return xs[root].clone()
+
+
+def scatter(xs, r, root):
+    n = len(xs)
+    rows = xs[root].shape[0] // n
+    return xs[root][r * rows:(r + 1) * rows].clone()
+
+
+def poison_like(expected: torch.Tensor) -> torch.Tensor:
+    """An output buffer whose every element differs from ``expected`` (NaN for floating types)."""
+    if expected.dtype is torch.bool:
+        return ~expected
+    if expected.dtype.is_floating_point or expected.dtype.is_complex:
+        return torch.full_like(expected, float("nan"))
+    p = expected.clone()
+    p.reshape(-1).view(torch.uint8).bitwise_xor_(0xFF)
+    return p
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if bits(got) != bits(want):
+        bad = (got != want).nonzero()[:5].tolist() if got.numel() else []
+        raise AssertionError(f"{what}: results differ bitwise (first differing indices {bad})\n"
+                             f"got  {got.reshape(-1)[:8]}\nwant {want.reshape(-1)[:8]}")
+
+
+# -- cases: one collective call described as plain (picklable) data ------------------------------
+COLLECTIVES = (
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
+    "all_to_all_v", "broadcast", "gather", "reduce", "scatter",
+)
+REDUCING = ("all_reduce", "reduce_scatter", "reduce_scatter_v", "reduce")
+ROOTED = ("broadcast", "gather", "reduce", "scatter")
+
+
+def user_spec(name: str):
+    from purlin_sglang.collectives import COPY, PACKED, REDUCE, SCATTERED, CollectiveSpec
+
+    return {
+        "gather": CollectiveSpec("gather", PACKED, SCATTERED.root(), COPY),
+        "reduce": CollectiveSpec("reduce", PACKED, PACKED.root(), REDUCE),
+        "scatter": CollectiveSpec("scatter", SCATTERED.root(), PACKED, COPY),
+    }[name]
+
+
+def v_sizes(world: int, salt: int) -> list[int]:
+    """Per-rank row counts with zeros among them (for world >= 2)."""
+    return [((p + salt) * 5 + 2) % 4 for p in range(world)]
+
+
+def v_matrix(world: int, salt: int) -> list[list[int]]:
+    """send[p][q]: rows rank p sends to rank q, zeros included."""
+    return [[((p * world + q + salt) * 5 + 2) % 4 for q in range(world)] for p in range(world)]
+
+
+def case(coll: str, dtype=torch.float32, rows: int = 3, width: int = 5, op: str | None = None,
+         seed: int = 0, root: int = 0, salt: int = 0) -> dict:
+    """``rows``: rows per rank slice for sliced inputs (so the call is always valid), else rows of x."""
+    if op is None and coll in REDUCING:
+        op = "sum"
+    return dict(coll=coll, dtype=dtype, rows=rows, width=width, op=op, seed=seed, root=root, salt=salt)
+
+
+def _shape(c: dict, rows: int):
+    return (rows,) if c["width"] is None else (rows, c["width"])
+
+
+def case_inputs(c: dict, world: int) -> list[torch.Tensor]:
+    coll, rows = c["coll"], c["rows"]
+    if coll in ("reduce_scatter", "all_to_all", "scatter"):
+        per = [rows * world] * world
+    elif coll == "all_gather_v":
+        per = v_sizes(world, c["salt"])
+    elif coll == "reduce_scatter_v":
+        per = [sum(v_sizes(world, c["salt"]))] * world
+    elif coll == "all_to_all_v":
+        per = [sum(row) for row in v_matrix(world, c["salt"])]
+    else:
+        per = [rows] * world
+    return [make_input(c["seed"], p, _shape(c, per[p]), c["dtype"]) for p in range(world)]
+
+
+def case_expected(c: dict, world: int, r: int, xs) -> tuple[torch.Tensor, bool]:
+    """(the reference result for rank r, whether rank r's output is written at all)."""
+    coll, op, root = c["coll"], c["op"], c["root"]
+    if coll == "all_reduce":
+        return all_reduce(xs, r, op), True
+    if coll == "all_gather":
+        return all_gather(xs, r), True
+    if coll == "reduce_scatter":
+        return reduce_scatter(xs, r, op), True
+    if coll == "all_to_all":
+        return all_to_all(xs, r), True
+    if coll == "all_gather_v":
+        return all_gather_v(xs, r), True
+    if coll == "reduce_scatter_v":
+        return reduce_scatter_v(xs, r, v_sizes(world, c["salt"]), op), True
+    if coll == "all_to_all_v":
+        return all_to_all_v(xs, r, v_matrix(world, c["salt"])), True
+    if coll == "broadcast":
+        return broadcast(xs, r, root), True
+    if coll == "gather":
+        return all_gather(xs, r), r == root
+    if coll == "reduce":
+        return reduce_ref(xs, op), r == root
+    if coll == "scatter":
+        return scatter(xs, r, root), True
+    raise ValueError(coll)
+
+
+def case_call(comm, c: dict, x: torch.Tensor, out):
+    coll, op, root, world, r = c["coll"], c["op"], c["root"], comm.world_size, comm.rank
+    if coll == "all_reduce":
+        return comm.all_reduce(x, op, out=out)
+    if coll == "all_gather":
+        return comm.all_gather(x, out=out)
+    if coll == "reduce_scatter":
+        return comm.reduce_scatter(x, op, out=out)
+    if coll == "all_to_all":
+        return comm.all_to_all(x, out=out)
+    if coll == "all_gather_v":
+        return comm.all_gather_v(x, v_sizes(world, c["salt"]), out=out)
+    if coll == "reduce_scatter_v":
+        return comm.reduce_scatter_v(x, v_sizes(world, c["salt"]), op, out=out)
+    if coll == "all_to_all_v":
+        m = v_matrix(world, c["salt"])
+        return comm.all_to_all_v(x, m[r], [m[p][r] for p in range(world)], out=out)
+    if coll == "broadcast":
+        return comm.broadcast(x, root, out=out)
+    if coll in ("gather", "scatter"):
+        return comm.run(user_spec(coll), x, out=out, root=root)
+    if coll == "reduce":
+        return comm.run(user_spec(coll), x, out=out, op=op, root=root)
+    raise ValueError(coll)
+
+
+def check_case(comm, c: dict, *, paths=("out", "default", "inplace")) -> dict:
+    """Run ``c`` on ``comm`` through each output path and check it bitwise; returns rank r's results.
+
+    Collective: every rank must call it with the same ``c`` and ``paths``.
+    """
+    world, r = comm.world_size, comm.rank
+    xs = case_inputs(c, world)
+    want, touched = case_expected(c, world, r, xs)
+    what = f"rank {r} of {world}: {c['coll']} {c['dtype']} op={c['op']} rows={c['rows']} width={c['width']}"
+    got = {}
+    if "out" in paths:
+        x = xs[r].clone()
+        out = poison_like(want)
+        res = case_call(comm, c, x, out)
+        assert res is out, f"{what}: out= path did not return out"
+        assert_bits_equal(out, want if touched else poison_like(want), what + " (out=)")
+        assert_bits_equal(x, xs[r], what + " (input must be left unchanged)")
+        got["out"] = out
+    if "default" in paths:
+        x = xs[r].clone()
+        res = case_call(comm, c, x, None)
+        if touched:
+            assert_bits_equal(res, want, what + " (default out)")
+        else:
+            assert res.dtype == want.dtype and res.shape == want.shape, what
+        if c["coll"] == "broadcast":
+            assert res is x, f"{what}: broadcast without out= must run in place into x"
+        else:
+            assert res is not x, what
+            assert_bits_equal(x, xs[r], what + " (input must be left unchanged)")
+        got["default"] = res
+    if "inplace" in paths and c["coll"] in ("all_reduce", "broadcast"):
+        x = xs[r].clone()
+        res = case_call(comm, c, x, x)
+        assert res is x, what
+        assert_bits_equal(x, want, what + " (in place)")
+        got["inplace"] = x
+    return got

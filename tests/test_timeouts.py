@@ -1,0 +1,239 @@
+"""Timeouts and mismatches: a rank that skips a call, ranks that disagree, a rank that raises.
+
+Nothing may hang: every wait is bounded by ``timeout_s``; disagreements are detected from the
+call descriptors (quickly, not by timing out); afterwards the communicator is broken, says so,
+and a new one works.
+"""
+
+import time
+
+import pytest
+import torch
+
+import purlin_sglang as ps
+from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
+from purlin_sglang.testing import launch
+
+SHORT = {"staging_bytes": 1 << 16, "timeout_s": 2}
+LONG = {"staging_bytes": 1 << 16, "timeout_s": 20}  # mismatches must be found long before this
+
+
+def outcome(call):
+    """(exception or None, seconds the call took)."""
+    t0 = time.monotonic()
+    try:
+        call()
+        return None, time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - the tests inspect it
+        return e, time.monotonic() - t0
+
+
+def then_broken(comm):
+    """The next call on a failed communicator raises PurlinBrokenError quickly, with a clear message."""
+    e, dt = outcome(lambda: comm.all_reduce(torch.ones(4)))
+    assert isinstance(e, PurlinBrokenError), repr(e)
+    assert dt < 3  # at once, or as soon as the failed peer has marked itself broken
+    assert str(e).startswith("all_reduce: ") and "create a new Communicator" in str(e), str(e)
+    if "the communicator is broken" in str(e):
+        assert str(e).startswith("all_reduce: the communicator is broken by an earlier failure ("), str(e)
+    else:  # this rank learnt it only now, from a peer that failed; from now on it is broken too
+        assert "failed" in str(e), str(e)
+        e, dt = outcome(lambda: comm.all_gather(torch.ones(4)))
+        assert isinstance(e, PurlinBrokenError) and dt < 0.5, repr(e)
+        assert str(e).startswith("all_gather: the communicator is broken by an earlier failure ("), str(e)
+    assert "broken" in repr(comm)
+    return True
+
+
+def good_group(comm):
+    out = comm.all_reduce(torch.full((3,), float(comm.rank + 1)))
+    assert out.tolist() == [comm.world_size * (comm.world_size + 1) / 2] * 3
+    return True
+
+
+@pytest.mark.parametrize("world,skipper", [(2, 1), (3, 0)])
+def test_rank_skips_a_call_the_others_time_out_naming_it(world, skipper):
+    def fn(comm):
+        comm.all_reduce(torch.ones(8))  # a good call first: the skip is in call #2
+        if comm.rank == skipper:
+            return "skipped"  # and makes no further collective calls
+        e, dt = outcome(lambda: comm.all_reduce(torch.ones(8)))
+        assert isinstance(e, PurlinTimeoutError), repr(e)
+        assert 2 <= dt < 2 + 3, dt
+        assert e.op == "all_reduce" and e.rank == comm.rank and e.missing == (skipper,)
+        msg = str(e)
+        assert msg.startswith("all_reduce:"), msg
+        assert f"rank {comm.rank} waited 2s" in msg and f"[{skipper}]" in msg and "call #2" in msg, msg
+        assert f"rank {skipper} last entered call #1" in msg, msg
+        return then_broken(comm)
+
+    res = ps.run_virtual(world, fn, config=SHORT)
+    assert res[skipper] == "skipped" and all(r is True for i, r in enumerate(res) if i != skipper)
+    assert ps.run_virtual(world, good_group, config=SHORT) == [True] * world
+
+
+def test_skip_of_a_call_where_the_skipper_only_consumes():
+    # broadcast from root 0: the root never waits in the call; it is the NEXT call that finds rank 1
+    # missing (rank 1 never drained the root's staging), and still names it.
+    def fn(comm):
+        if comm.rank == 0:
+            comm.broadcast(torch.ones(4), 0)
+            e, dt = outcome(lambda: comm.all_gather(torch.ones(4)))
+            assert isinstance(e, PurlinTimeoutError), repr(e)
+            assert e.missing == (1,) and "all_gather" in str(e) and dt < 5
+            return then_broken(comm)
+        return "skipped"
+
+    assert ps.run_virtual(2, fn, config=SHORT) == [True, "skipped"]
+
+
+def disagree(call, world=2, late=None):
+    """Run ``call(comm)`` (which disagrees between ranks) on every rank; check it is a quick mismatch.
+
+    At least one rank raises PurlinMismatchError; a rank may instead see its peer fail
+    (PurlinBrokenError) or, if its own part was consistent, return; its next call then reports
+    the broken communicator. Returns the per-rank errors of the disagreeing call. Rank ``late``
+    enters the call 0.1 s after the others (so they are already waiting for it).
+    """
+    def fn(comm):
+        if comm.rank == late:
+            time.sleep(0.1)
+        e, dt = outcome(lambda: call(comm))
+        assert dt < 5, dt
+        assert e is None or isinstance(e, (PurlinMismatchError, PurlinBrokenError)), repr(e)
+        then_broken(comm)
+        return e
+
+    errs = ps.run_virtual(world, fn, config=LONG)
+    assert any(isinstance(e, PurlinMismatchError) for e in errs), errs
+    for e in errs:
+        if isinstance(e, PurlinMismatchError):
+            assert 0 <= e.peer < world and e.peer != e.rank and str(e).startswith(e.op + ":"), e
+    assert ps.run_virtual(world, good_group, config=LONG) == [True] * world  # a new group works
+    return errs
+
+
+CALLS = {
+    "all_reduce": lambda c: c.all_reduce(torch.ones(4)),
+    "all_gather": lambda c: c.all_gather(torch.ones(4)),
+    "all_to_all": lambda c: c.all_to_all(torch.ones(4)),
+    "reduce_scatter": lambda c: c.reduce_scatter(torch.ones(4)),
+    "all_reduce-bf16": lambda c: c.all_reduce(torch.ones(4, dtype=torch.bfloat16)),
+    "all_reduce-max": lambda c: c.all_reduce(torch.ones(4), "max"),
+    "all_reduce-6": lambda c: c.all_reduce(torch.ones(6)),
+    "all_gather-2x2": lambda c: c.all_gather(torch.ones(2, 2)),
+    "broadcast-root0": lambda c: c.broadcast(torch.ones(4), 0),
+    "broadcast-root1": lambda c: c.broadcast(torch.ones(4), 1),
+}
+
+
+@pytest.mark.parametrize("a,b", [
+    ("all_reduce", "all_gather"), ("all_gather", "all_to_all"), ("reduce_scatter", "all_reduce"),
+    ("all_reduce", "all_reduce-bf16"), ("all_reduce", "all_reduce-max"), ("all_reduce", "all_reduce-6"),
+    ("all_gather", "all_gather-2x2"), ("broadcast-root0", "broadcast-root1"), ("broadcast-root0", "all_gather"),
+], ids=lambda v: v)
+@pytest.mark.parametrize("late", [None, 1])
+def test_ranks_disagree_on_the_call_mismatch_not_timeout(a, b, late):
+    disagree(lambda comm: CALLS[a if comm.rank == 0 else b](comm), late=late)
+
+
+def test_mismatch_message_names_ranks_and_call():
+    errs = disagree(lambda comm: comm.all_reduce(torch.ones(4)) if comm.rank == 0 else comm.all_gather(torch.ones(4)))
+    e = next(e for e in errs if isinstance(e, PurlinMismatchError))
+    assert e.peer == 1 - e.rank and e.op in ("all_reduce", "all_gather")
+    assert f"rank {e.rank} and rank {e.peer} entered call #1 with different collectives" in str(e), e
+
+
+@pytest.mark.parametrize("late", [None, 0, 1])
+def test_all_to_all_v_splits_that_disagree_with_the_peer_mismatch(late):
+    def call(comm):
+        # rank 0 sends 2 rows to rank 1, but rank 1 expects 1 row from rank 0
+        if comm.rank == 0:
+            return comm.all_to_all_v(torch.ones(3, 2), [1, 2], [1, 1])
+        return comm.all_to_all_v(torch.ones(2, 2), [1, 1], [1, 1])
+
+    errs = disagree(call, late=late)
+    assert isinstance(errs[1], PurlinMismatchError), errs
+    assert "rank 0 sends 16 bytes to rank 1, which expects 8 bytes" in str(errs[1]), errs[1]
+    assert "split sizes disagree" in str(errs[1])
+
+
+@pytest.mark.parametrize("late", [None, 0, 1])
+def test_all_gather_v_sizes_that_disagree_mismatch(late):
+    def call(comm):
+        sizes = [1, 2] if comm.rank == 0 else [1, 1]
+        return comm.all_gather_v(torch.ones(sizes[comm.rank]), sizes)
+
+    errs = disagree(call, late=late)
+    assert isinstance(errs[0], PurlinMismatchError) and "split sizes disagree" in str(errs[0]), errs
+
+
+def test_disagreement_among_three_ranks():
+    disagree(lambda comm: comm.all_reduce(torch.ones(3 if comm.rank == 2 else 6)), world=3)
+
+
+def test_an_ordinary_exception_in_one_rank_is_what_run_virtual_raises():
+    class Boom(Exception):
+        pass
+
+    def fn(comm):
+        comm.all_reduce(torch.ones(2))
+        if comm.rank == 1:
+            raise Boom("rank 1 fails in user code")
+        comm.all_reduce(torch.ones(2))  # rank 1 never comes: its failure must release us
+        return "unreachable"
+
+    t0 = time.monotonic()
+    with pytest.raises(Boom, match="rank 1 fails in user code") as info:
+        ps.run_virtual(3, fn, config=LONG)
+    assert time.monotonic() - t0 < 5  # released at once, not after timeout_s
+    assert any("ranks [0, 1, 2] failed" in n for n in getattr(info.value, "__notes__", [])), info.value
+    assert ps.run_virtual(3, good_group, config=LONG) == [True] * 3
+
+
+def test_waiting_peers_see_a_failed_rank_as_broken_not_timeout():
+    def fn(comm):
+        if comm.rank == 1:
+            try:
+                comm.all_reduce(torch.ones(2, dtype=torch.float64))  # disagrees with rank 0: mismatch
+            except Exception as e:  # noqa: BLE001
+                return type(e)
+            return None
+        time.sleep(0.2)
+        e, dt = outcome(lambda: comm.all_reduce(torch.ones(2)))
+        return type(e), dt
+
+    (k0, dt), k1 = ps.run_virtual(2, fn, config=LONG)
+    assert {k0, k1} <= {PurlinMismatchError, PurlinBrokenError} and PurlinMismatchError in {k0, k1}
+    assert dt < 5
+
+
+# -- multi-process ---------------------------------------------------------------------------
+def _mp_skip(rank, world, skipper):
+    comm = ps.Communicator(config={"staging_bytes": 1 << 16, "timeout_s": 2})
+    try:
+        comm.all_reduce(torch.ones(8))
+        if rank == skipper:
+            res = ("skipped",)
+        else:
+            e, dt = outcome(lambda: comm.all_reduce(torch.ones(8)))
+            b, _ = outcome(lambda: comm.all_gather(torch.ones(1)))
+            res = (type(e).__name__, dt, getattr(e, "missing", None), getattr(e, "op", None), str(e),
+                   type(b).__name__, str(b))
+    finally:
+        comm.close()
+    # a new Communicator on every rank (the skipper included) works
+    with ps.Communicator(config={"staging_bytes": 1 << 16, "timeout_s": 5}) as fresh:
+        return res, fresh.all_reduce(torch.full((2,), float(rank + 1))).tolist()
+
+
+def test_multiprocess_skip_times_out_then_broken_then_a_new_communicator_works():
+    res = launch(_mp_skip, 3, 2, timeout_s=120)
+    assert res[2][0] == ("skipped",)
+    for rank in (0, 1):
+        (kind, dt, missing, op, msg, later, later_msg), _ = res[rank]
+        assert kind == "PurlinTimeoutError", res[rank]
+        assert 2 <= dt < 5 and missing == (2,) and op == "all_reduce"
+        assert f"rank {rank} waited 2s" in msg and "rank 2 last entered call #1" in msg, msg
+        assert later == "PurlinBrokenError" and later_msg.startswith("all_gather: the communicator is broken")
+    assert [r[1] for r in res] == [[6.0, 6.0]] * 3
