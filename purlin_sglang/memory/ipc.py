@@ -1,0 +1,378 @@
+"""The ``ipc`` provider: one cudaMalloc per rank, mapped into every peer with CUDA IPC.
+
+Each rank allocates its workspace (``cudaMalloc``, zeroed), exports it with
+``cudaIpcGetMemHandle``, and the 64-byte handles travel over the group's CPU (gloo)
+process group (``all_gather_object``). Each rank opens its peers' handles with
+``cudaIpcOpenMemHandle(cudaIpcMemLazyEnablePeerAccess)`` and uses its own pointer for
+itself. Peer access is enabled explicitly where a peer's GPU differs from ours, and
+skipped where it is the same GPU (several ranks on one GPU, as in the one-GPU tests).
+
+Why legacy CUDA IPC and not the virtual-memory route (``cuMemCreate`` +
+``cuMemExportToShareableHandle`` with POSIX file descriptors): legacy IPC handles are
+plain bytes, so they travel over the gloo group we already have, and they work between
+two processes on ONE GPU, which is what we can test. A POSIX file descriptor is only
+meaningful inside the process that owns it: it has to be passed over a Unix-domain
+socket (SCM_RIGHTS) or pulled with ``pidfd_getfd`` (Linux 5.6+, and ptrace rights over
+the peer, which containers often deny), i.e. a second rendezvous channel beside gloo.
+VMM buys control of the granularity and physical placement, multicast objects (NVLS:
+off in this project) and fabric handles for multi-node NVLink; none is needed for a
+single node's staging buffers today. The VMM route would slot in behind this class.
+
+Contracts: :meth:`IpcWorkspace.create` is collective over ``group`` (every rank calls
+it with the same ``layout_nbytes``); it blocks the host (allocation, a device
+synchronize after zeroing, two all-gathers); it is not safe under CUDA graph capture.
+A rank that fails anywhere in set-up tells the others through a status all-gather, so
+every rank raises (naming the failed ranks and why) instead of waiting in a collective.
+:meth:`IpcWorkspace.close` is local (no collective, no barrier): the caller makes sure
+no peer still reads this rank's memory before it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Any, Optional
+
+from ..errors import PurlinClosedError, PurlinError, PurlinUnavailableError, PurlinValueError
+
+IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
+_PIP = "pip install cuda-python"
+
+
+class _Fail(Exception):
+    """A set-up problem of this rank: ``kind`` ("value" | "unavailable") and the message."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def _load_cudart():
+    """cuda-python's runtime module, imported on first use (tests replace this function)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as e:
+        try:  # cuda-python < 12.6 spelled it cuda.cudart
+            from cuda import cudart  # type: ignore[no-redef]
+        except ImportError:
+            raise PurlinUnavailableError(
+                f"memory='ipc' needs cuda-python (cuda.bindings.runtime is not importable: {e}); {_PIP}"
+            ) from e
+    return cudart
+
+
+def _error_text(cudart, err) -> str:
+    try:
+        _, name = cudart.cudaGetErrorName(err)
+        _, text = cudart.cudaGetErrorString(err)
+        return f"{name.decode()} ({text.decode()})"
+    except Exception:  # a broken runtime: still say which code
+        return f"CUDA error {int(err)}"
+
+
+_NO_GPU = {35, 100}  # cudaErrorInsufficientDriver, cudaErrorNoDevice
+
+
+def _check(cudart, call: str, result) -> Any:
+    """Unpack a cuda-python result tuple ``(err, *values)``; raise if ``err`` is not cudaSuccess."""
+    err, values = result[0], result[1:]
+    if int(err) != 0:
+        hint = ("; GPU memory providers need an NVIDIA GPU and driver (check nvidia-smi and "
+                "CUDA_VISIBLE_DEVICES), or use memory='host' with the CPU engine") if int(err) in _NO_GPU else ""
+        raise PurlinUnavailableError(f"{call}: {_error_text(cudart, err)}{hint}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+@contextlib.contextmanager
+def _on_device(cudart, device_index: int):
+    """Make ``device_index`` current for the block, then restore the caller's device."""
+    prev = _check(cudart, "cudaGetDevice", cudart.cudaGetDevice())
+    if prev != device_index:
+        _check(cudart, f"cudaSetDevice({device_index})", cudart.cudaSetDevice(device_index))
+    try:
+        yield
+    finally:
+        if prev != device_index:
+            cudart.cudaSetDevice(prev)
+
+
+def _handle_bytes(handle) -> bytes:
+    # cudaIpcMemHandle_t is 64 opaque bytes; getPtr() is its address (every cuda-python version has it).
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def _handle_from_bytes(cudart, raw: bytes):
+    handle = cudart.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), raw, IPC_HANDLE_BYTES)
+    return handle
+
+
+def _resolve_group(op: str, group):
+    """The process group to set up over (None: the default group); raises at once if there is none."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PurlinValueError(
+            f"{op}: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group('gloo', ...) first (the handles travel over a CPU group)"
+        )
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise PurlinValueError(f"{op}: this process is not a member of the given group")
+    return group
+
+
+def check_int(op: str, name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (bools refused), else a _Fail("value")."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Fail("value", f"{op}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise _Fail("value", f"{op}: {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_membership(op: str, group, rank: Any, world: Any) -> None:
+    """``rank`` and ``world`` must be this process's rank in ``group`` and its size."""
+    import torch.distributed as dist
+
+    check_int(op, "rank", rank, 0)
+    check_int(op, "world", world, 1)
+    got_rank, got_world = dist.get_rank(group), dist.get_world_size(group)
+    if (rank, world) != (got_rank, got_world):
+        raise _Fail("value", f"{op}: rank={rank}, world={world} but this process is rank {got_rank} "
+                             f"of {got_world} in the group; pass the group's own rank and size")
+
+
+def gather_status(group, world: int, mine: tuple) -> list:
+    """All-gather one status per rank (a collective that is also the barrier of a set-up phase).
+
+    ``mine`` is ``("ok", payload)`` or ``("error", kind, message)``. Every rank gets the same
+    list, so every rank takes the same decision.
+    """
+    import torch.distributed as dist
+
+    got: list = [None] * world
+    dist.all_gather_object(got, mine, group=group)
+    return got
+
+
+def raise_failures(op: str, statuses: list) -> None:
+    """Raise on every rank if any rank's status is an error (value errors win over unavailable)."""
+    failed = [(r, s) for r, s in enumerate(statuses) if s is None or s[0] != "ok"]
+    if not failed:
+        return
+    kinds = {s[1] if s else "unavailable" for _, s in failed}
+    by_message: dict[str, list[int]] = {}  # ranks that failed the same way are named together
+    for r, s in failed:
+        msg = s[2] if s else "no status"
+        by_message.setdefault(msg[len(op) + 2:] if msg.startswith(f"{op}: ") else msg, []).append(r)
+    text = "; ".join(f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {rs}: {m}" for m, rs in by_message.items())
+    cls = PurlinValueError if "value" in kinds else PurlinUnavailableError
+    raise cls(f"{op}: set-up failed on rank(s) {[r for r, _ in failed]}: {text}")
+
+
+def as_status(exc: BaseException) -> tuple:
+    if isinstance(exc, _Fail):
+        return ("error", exc.kind, exc.message)
+    if isinstance(exc, PurlinValueError):
+        return ("error", "value", str(exc))
+    if isinstance(exc, PurlinError):
+        return ("error", "unavailable", str(exc))
+    return ("error", "unavailable", f"{type(exc).__name__}: {exc}")
+
+
+class IpcWorkspace:
+    """This rank's workspace (a cudaMalloc) and every rank's pointer as mapped in this process.
+
+    Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`. ``layout`` is whatever
+    layout object the caller passed (the engines compute offsets through it); the provider
+    only allocates ``nbytes``, exchanges and maps.
+    """
+
+    provider = "ipc"
+
+    def __init__(self, *, cudart, rank: int, world: int, device_index: int, nbytes: int, own_ptr: int,
+                 peer_ptrs: dict[int, int], layout: Any = None):
+        self.layout = layout
+        self.rank = rank
+        self.world = world
+        self.device_index = device_index
+        self.nbytes = nbytes
+        self._cudart = cudart
+        self._own_ptr = own_ptr
+        self._peer_ptrs = dict(peer_ptrs)  # rank -> pointer opened with cudaIpcOpenMemHandle
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, layout_nbytes: int, group: Any, device_index: int, rank: int, world: int, *,
+               layout: Any = None) -> "IpcWorkspace":
+        """Allocate ``layout_nbytes`` zeroed bytes on GPU ``device_index`` and map every rank's.
+
+        Collective over ``group`` (a CPU/gloo group; None: the default group): every rank
+        calls it, with the same ``layout_nbytes``. Blocks the host; not for CUDA graph capture.
+        Raises on EVERY rank if any rank fails: :class:`PurlinValueError` for bad or
+        disagreeing arguments, :class:`PurlinUnavailableError` (naming the CUDA call and its
+        error string) when cuda-python, the GPU or IPC is not usable.
+        """
+        op = "IpcWorkspace.create"
+        group = _resolve_group(op, group)
+        import torch.distributed as dist
+
+        gworld = dist.get_world_size(group)
+        cudart, own_ptr = None, None
+        # Phase 1: check, allocate, zero, export.
+        try:
+            check_int(op, "layout_nbytes", layout_nbytes, 1)
+            check_int(op, "device_index", device_index, 0)
+            check_membership(op, group, rank, world)
+            cudart = _load_cudart()
+            with _on_device(cudart, device_index):
+                own_ptr = int(_check(cudart, f"cudaMalloc({layout_nbytes})", cudart.cudaMalloc(layout_nbytes)))
+                _check(cudart, "cudaMemset", cudart.cudaMemset(own_ptr, 0, layout_nbytes))
+                _check(cudart, "cudaDeviceSynchronize", cudart.cudaDeviceSynchronize())
+                handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(own_ptr))
+                bus = _check(cudart, "cudaDeviceGetPCIBusId", cudart.cudaDeviceGetPCIBusId(32, device_index))
+            mine = ("ok", {"handle": _handle_bytes(handle), "bus_id": _bus_text(bus), "nbytes": layout_nbytes,
+                           "pid": os.getpid(), "device_index": device_index})
+        except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
+            mine = as_status(e)
+        statuses = gather_status(group, gworld, mine)
+        try:
+            raise_failures(op, statuses)
+            sizes = {r: s[1]["nbytes"] for r, s in enumerate(statuses)}
+            if len(set(sizes.values())) != 1:
+                raise PurlinValueError(f"{op}: ranks disagree on layout_nbytes {sizes}; every rank needs the "
+                                       "same workspace layout (same world and staging_bytes)")
+            pids = [s[1]["pid"] for s in statuses]
+            if len(set(pids)) != len(pids):
+                raise PurlinValueError(f"{op}: several ranks live in one process (pids {pids}); CUDA IPC maps "
+                                       "memory between processes: use memory='loopback' for ranks in one process")
+        except PurlinError:
+            _free_quietly(cudart, own_ptr, device_index)
+            raise
+
+        # Phase 2: enable peer access where the GPUs differ, open every peer's handle.
+        ws = cls(cudart=cudart, rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes,
+                 own_ptr=own_ptr, peer_ptrs={}, layout=layout)
+        try:
+            own_bus = statuses[rank][1]["bus_id"]
+            with _on_device(cudart, device_index):
+                for r, (_, info) in enumerate(statuses):
+                    if r == rank:
+                        continue
+                    if info["bus_id"] != own_bus:
+                        _enable_peer(cudart, device_index, info["bus_id"], r)
+                    h = _handle_from_bytes(cudart, info["handle"])
+                    ptr = _check(cudart, f"cudaIpcOpenMemHandle(rank {r})",
+                                 cudart.cudaIpcOpenMemHandle(h, cudart.cudaIpcMemLazyEnablePeerAccess))
+                    ws._peer_ptrs[r] = int(ptr)
+            mine = ("ok", None)
+        except Exception as e:  # noqa: BLE001
+            mine = as_status(e)
+        statuses = gather_status(group, gworld, mine)
+        try:
+            raise_failures(op, statuses)
+        except PurlinError:
+            with contextlib.suppress(Exception):
+                ws.close()
+            raise
+        return ws
+
+    # -- DeviceWorkspace ------------------------------------------------------------------------
+    @property
+    def base_ptrs(self) -> list[int]:
+        """Device pointer of rank r's workspace, valid in this process, for every r."""
+        if self._closed:
+            raise PurlinClosedError("IpcWorkspace.base_ptrs: the workspace is closed; create a new one")
+        return [self._own_ptr if r == self.rank else self._peer_ptrs[r] for r in range(self.world)]
+
+    @property
+    def hbm_bytes(self) -> int:
+        """GPU memory this rank's workspace holds (0 once closed)."""
+        return 0 if self._closed else self.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap the peers (cudaIpcCloseMemHandle) and free this rank's memory (cudaFree).
+
+        Local: no collective, no barrier; safe to call twice. Make sure no peer still reads this
+        rank's memory first. Tries every step, then raises :class:`PurlinUnavailableError` naming
+        the calls that failed, if any.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        cudart, errors = self._cudart, []
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_on_device(cudart, self.device_index))
+            except PurlinError as e:  # still try to release: the calls below say what fails
+                errors.append(str(e))
+            for r, ptr in sorted(self._peer_ptrs.items()):
+                _collect(errors, cudart, f"cudaIpcCloseMemHandle(rank {r})", cudart.cudaIpcCloseMemHandle(ptr))
+            self._peer_ptrs.clear()
+            if self._own_ptr:
+                _collect(errors, cudart, "cudaFree", cudart.cudaFree(self._own_ptr))
+                self._own_ptr = 0
+        if errors:
+            raise PurlinUnavailableError(f"IpcWorkspace.close (rank {self.rank}): " + "; ".join(errors))
+
+    def __enter__(self) -> "IpcWorkspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.nbytes} bytes"
+        return f"IpcWorkspace(rank={self.rank}, world={self.world}, device={self.device_index}, {state})"
+
+
+_CUDART_UNLOADING = 4  # cudaErrorCudartUnloading: the process is exiting, the driver frees everything
+
+
+def _collect(errors: list, cudart, call: str, result) -> None:
+    err = int(result[0])
+    if err not in (0, _CUDART_UNLOADING):
+        errors.append(f"{call}: {_error_text(cudart, result[0])}")
+
+
+def _bus_text(bus) -> str:
+    raw = bytes(bus) if not isinstance(bus, str) else bus.encode()
+    return raw.split(b"\0", 1)[0].decode().strip().lower()
+
+
+def _enable_peer(cudart, device_index: int, bus_id: str, peer_rank: int) -> None:
+    """Enable access from the current device to the GPU with PCI bus id ``bus_id``."""
+    peer_dev = _check(cudart, f"cudaDeviceGetByPCIBusId({bus_id}) for rank {peer_rank}",
+                      cudart.cudaDeviceGetByPCIBusId(bus_id.encode()))
+    can = _check(cudart, "cudaDeviceCanAccessPeer", cudart.cudaDeviceCanAccessPeer(device_index, peer_dev))
+    if not can:
+        raise PurlinUnavailableError(
+            f"cudaDeviceCanAccessPeer: GPU {device_index} cannot access rank {peer_rank}'s GPU {peer_dev} "
+            f"({bus_id}); the ipc provider needs NVLink or PCIe P2P between every pair of GPUs"
+        )
+    result = cudart.cudaDeviceEnablePeerAccess(peer_dev, 0)
+    if int(result[0]) == int(cudart.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+        cudart.cudaGetLastError()  # not an error for us; do not leave it for the next caller
+        return
+    _check(cudart, f"cudaDeviceEnablePeerAccess({peer_dev})", result)
+
+
+def _free_quietly(cudart, ptr: Optional[int], device_index: int) -> None:
+    if cudart is None or not ptr:
+        return
+    with contextlib.suppress(Exception):
+        with _on_device(cudart, device_index):
+            cudart.cudaFree(ptr)
+
+
+__all__ = ["IpcWorkspace", "IPC_HANDLE_BYTES"]

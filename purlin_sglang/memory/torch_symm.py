@@ -1,0 +1,200 @@
+"""The ``torch`` provider: PyTorch's symmetric memory (``torch.distributed._symmetric_memory``).
+
+Each rank allocates its workspace with ``_symmetric_memory.empty`` (a uint8 tensor of
+``layout_nbytes``), zeroes it, and ``_symmetric_memory.rendezvous(tensor, group)`` maps
+every rank's allocation into every process; ``buffer_ptrs`` are the pointers. PyTorch
+owns the memory (its CUDA backend exports virtual-memory handles between processes);
+:meth:`TorchSymmWorkspace.close` drops this provider's references so PyTorch can free it.
+
+Where the installed torch lacks the module or one of ``empty`` / ``rendezvous``, or has
+no CUDA, :meth:`create` raises :class:`PurlinUnavailableError` naming what is missing.
+PyTorch's CUDA backend refuses several ranks on one GPU at rendezvous ("detected
+allocations from overlapping devices") unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``
+is set when the processes start (this module never sets it: it is PyTorch's global, read
+in C++); the refusal surfaces as the same error, quoting PyTorch and saying so. Seen on an
+H200 with torch 2.11: refused by default; with that variable set, two processes on one GPU
+map each other's buffers and pass the same data and flag tests as the ipc provider.
+
+Contracts: :meth:`create` is collective over ``group`` (every rank calls it with the same
+``layout_nbytes``), blocks the host, and is not for CUDA graph capture. A rank that fails
+before the rendezvous tells the others through a status all-gather (the rendezvous itself
+is collective, so nobody enters it unless all can); a failure inside the rendezvous is
+agreed on by a second status all-gather. :meth:`close` is local and safe to call twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from ..errors import PurlinClosedError, PurlinValueError
+from .ipc import _Fail, _resolve_group, as_status, check_int, check_membership, gather_status, raise_failures
+
+_MODULE = "torch.distributed._symmetric_memory"
+
+
+def _load_symm_mem():
+    """The torch symmetric-memory module, or _Fail("unavailable") naming the missing API."""
+    import torch
+
+    try:
+        symm_mem = importlib.import_module(_MODULE)
+    except Exception as e:  # ImportError, or a build without distributed
+        raise _Fail("unavailable", f"memory='torch' needs {_MODULE}, which torch {torch.__version__} does not "
+                                   f"have ({type(e).__name__}: {e}); use memory='ipc' or a newer torch")
+    missing = [name for name in ("empty", "rendezvous") if not callable(getattr(symm_mem, name, None))]
+    if missing:
+        raise _Fail("unavailable", f"memory='torch' needs {', '.join(f'{_MODULE}.{m}' for m in missing)}, which "
+                                   f"torch {torch.__version__} does not have; use memory='ipc' or a newer torch")
+    return symm_mem
+
+
+class TorchSymmWorkspace:
+    """This rank's workspace as a torch symmetric-memory tensor, with every rank's pointer.
+
+    Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`; ``layout`` is whatever
+    layout object the caller passed.
+    """
+
+    provider = "torch"
+
+    def __init__(self, *, rank: int, world: int, device_index: int, nbytes: int, tensor: Any, handle: Any,
+                 layout: Any = None):
+        self.layout = layout
+        self.rank = rank
+        self.world = world
+        self.device_index = device_index
+        self.nbytes = nbytes
+        self._tensor = tensor
+        self._handle = handle
+        self._ptrs = [int(p) for p in handle.buffer_ptrs]
+        self._closed = False
+
+    @classmethod
+    def create(cls, layout_nbytes: int, group: Any, device_index: int, rank: int, world: int, *,
+               layout: Any = None) -> "TorchSymmWorkspace":
+        """Allocate ``layout_nbytes`` zeroed bytes with torch symmetric memory and rendezvous.
+
+        Collective over ``group`` (None: the default group). Raises on EVERY rank if any rank
+        fails: :class:`PurlinValueError` for bad or disagreeing arguments,
+        :class:`PurlinUnavailableError` (naming the missing API or quoting PyTorch) otherwise.
+        """
+        op = "TorchSymmWorkspace.create"
+        group = _resolve_group(op, group)
+        import torch
+        import torch.distributed as dist
+
+        gworld = dist.get_world_size(group)
+        tensor = None
+        try:
+            check_int(op, "layout_nbytes", layout_nbytes, 1)
+            check_int(op, "device_index", device_index, 0)
+            check_membership(op, group, rank, world)
+            symm_mem = _load_symm_mem()
+            if not torch.cuda.is_available():
+                raise _Fail("unavailable", f"{op}: memory='torch' needs a CUDA GPU (torch.cuda.is_available() is "
+                                           "False); use memory='host' with the CPU engine")
+            if device_index >= torch.cuda.device_count():
+                raise _Fail("unavailable", f"{op}: device_index={device_index} but torch sees "
+                                           f"{torch.cuda.device_count()} GPU(s)")
+            device = torch.device("cuda", device_index)
+            tensor = symm_mem.empty(layout_nbytes, dtype=torch.uint8, device=device)
+            tensor.zero_()
+            torch.cuda.synchronize(device)
+            mine = ("ok", {"nbytes": layout_nbytes})
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            mine = as_status(e)
+        statuses = gather_status(group, gworld, mine)
+        raise_failures(op, statuses)
+        sizes = {r: s[1]["nbytes"] for r, s in enumerate(statuses)}
+        if len(set(sizes.values())) != 1:
+            raise PurlinValueError(f"{op}: ranks disagree on layout_nbytes {sizes}; every rank needs the same "
+                                   "workspace layout (same world and staging_bytes)")
+
+        handle = None
+        try:
+            _enable_for_group(symm_mem, group)
+            try:
+                handle = symm_mem.rendezvous(tensor, group.group_name)
+            except Exception as e:  # noqa: BLE001 - quote PyTorch exactly
+                text = _first_lines(e)
+                hint = ("; several ranks share one GPU: use memory='ipc' there, or start the processes with "
+                        "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (PyTorch then sets up no multicast)"
+                        if "overlapping devices" in text else "")
+                raise _Fail("unavailable", f"{_MODULE}.rendezvous: {type(e).__name__}: {text}{hint}")
+            ptrs = list(getattr(handle, "buffer_ptrs", None) or [])
+            if len(ptrs) != gworld:
+                raise _Fail("unavailable", f"{_MODULE}.rendezvous returned {len(ptrs)} buffer pointers for a "
+                                           f"group of {gworld}")
+            mine = ("ok", None)
+        except Exception as e:  # noqa: BLE001
+            mine = as_status(e)
+        statuses = gather_status(group, gworld, mine)
+        raise_failures(op, statuses)
+        return cls(rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes, tensor=tensor,
+                   handle=handle, layout=layout)
+
+    @property
+    def base_ptrs(self) -> list[int]:
+        """Device pointer of rank r's workspace, valid in this process, for every r."""
+        if self._closed:
+            raise PurlinClosedError("TorchSymmWorkspace.base_ptrs: the workspace is closed; create a new one")
+        return list(self._ptrs)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """GPU memory of this rank's buffer (PyTorch adds its own signal pad); 0 once closed."""
+        return 0 if self._closed else self.nbytes
+
+    @property
+    def tensor(self):
+        """This rank's workspace as a uint8 tensor (PyTorch's symmetric allocation)."""
+        if self._closed:
+            raise PurlinClosedError("TorchSymmWorkspace.tensor: the workspace is closed; create a new one")
+        return self._tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Drop the references to the tensor and its rendezvous handle (PyTorch frees the memory once
+        nothing else holds them). Local, no barrier; safe to call twice."""
+        self._closed = True
+        self._handle = None
+        self._tensor = None
+        self._ptrs = []
+
+    def __enter__(self) -> "TorchSymmWorkspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.nbytes} bytes"
+        return f"TorchSymmWorkspace(rank={self.rank}, world={self.world}, device={self.device_index}, {state})"
+
+
+def _enable_for_group(symm_mem, group) -> None:
+    """Older torch needs enable_symm_mem_for_group before a rendezvous; newer torch marks it deprecated
+    (and registers groups itself), so it is called only where it is not deprecated."""
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is None or getattr(enable, "__deprecated__", None) is not None:
+        return
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    if enabled is not None and enabled(group.group_name):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable(group.group_name)
+
+
+def _first_lines(e: BaseException, n: int = 3) -> str:
+    """PyTorch's C++ errors carry a long stack; its first lines say what went wrong."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return " | ".join(lines[:n]) if lines else repr(e)
+
+
+__all__ = ["TorchSymmWorkspace"]
