@@ -43,12 +43,26 @@ def _coerce_config(config: Any) -> PurlinConfig:
 
 
 class _VirtualWorld:
-    """Shared state of N virtual ranks in one process."""
+    """Shared state of N virtual ranks in one process: host memory (CPU) or one loopback GPU allocation."""
 
-    def __init__(self, world: int, config: PurlinConfig):
-        self.world = world
-        self.config = config
-        self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
+    def __init__(self, world: int, config: PurlinConfig, device: torch.device, engine: str):
+        self.world, self.config, self.engine = world, config, engine
+        if device.type == "cuda":
+            from .memory.loopback import LoopbackWorld
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self.workspace = LoopbackWorld(world, config.staging_bytes, index)
+        else:
+            self.device = torch.device("cpu")
+            self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
+
+    def rank_workspace(self, rank: int):
+        return self.workspace.view(rank) if self.device.type == "cuda" else self.workspace
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            self.workspace.close()
 
 
 class Communicator:
@@ -63,7 +77,7 @@ class Communicator:
     def __init__(self, group: Any = None, device: Any = "cpu", config: Any = None):
         self.config = _coerce_config(config)
         self.device = torch.device(device)
-        engine, self.memory = select_engine(self.device, self.config.memory)
+        engine, self.memory = select_engine(self.device, self.config.memory, virtual=False)
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -116,17 +130,23 @@ class Communicator:
     @classmethod
     def _virtual(cls, vworld: _VirtualWorld, rank: int) -> "Communicator":
         self = cls.__new__(cls)
+        self._closed = True  # until _init finishes (close() and __del__ stay safe)
         self.config = vworld.config
-        self.device = torch.device("cpu")
-        engine, self.memory = select_engine(self.device, self.config.memory)
-        self._init(vworld.workspace, rank, vworld.world, engine.name, None)
+        self.device = vworld.device
+        engine, self.memory = select_engine(self.device, self.config.memory, virtual=True)
+        self._init(vworld.rank_workspace(rank), rank, vworld.world, engine.name, None)
         return self
 
-    def _init(self, ws: HostWorkspace, rank: int, world: int, engine: str, group: Any) -> None:
+    def _init(self, ws: Any, rank: int, world: int, engine: str, group: Any) -> None:
         self.rank, self.world_size, self.group = rank, world, group
         self.engine_name = engine
         self._ws = ws
-        self._engine = CpuEngine(ws, rank, world, self.config.timeout_s)
+        if engine == "cuda":
+            from .engines.cuda import CudaEngine
+
+            self._engine = CudaEngine(ws, rank, world, self.config.timeout_s)
+        else:
+            self._engine = CpuEngine(ws, rank, world, self.config.timeout_s)
         self._seq = 0
         self._closed = False
         self._plans: dict[tuple, Plan] = {}
@@ -135,13 +155,17 @@ class Communicator:
     # -- properties --------------------------------------------------------------------------
     @property
     def workspace_bytes(self) -> int:
-        """Bytes of shared memory this communicator's group holds (host memory on CPU)."""
-        return 0 if self._closed else self._ws.nbytes
+        """Bytes of shared memory this communicator's group holds (host memory on CPU, HBM on CUDA)."""
+        if self._closed:
+            return 0
+        return self._ws.hbm_bytes * self.world_size if self.engine_name == "cuda" else self._ws.nbytes
 
     @property
     def hbm_bytes(self) -> int:
-        """Bytes of GPU memory held by this communicator (0 for the CPU engine)."""
-        return 0
+        """Bytes of GPU memory this rank holds: its workspace plus its op tables (0 for the CPU engine)."""
+        if self._closed or self.engine_name != "cuda":
+            return 0
+        return self._ws.hbm_bytes + self._engine.table_bytes
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._engine.broken else "ready")
@@ -257,6 +281,8 @@ class Communicator:
     def _check_usable(self, name: str) -> None:
         if self._closed:
             raise PurlinClosedError(f"{name}: the communicator is closed; create a new one")
+        if self.engine_name == "cuda":
+            self._engine.check()  # a timeout recorded by an earlier kernel (no device sync)
         if self._engine.broken:
             raise PurlinBrokenError(
                 f"{name}: the communicator is broken by an earlier failure ({self._engine.broken}); "
@@ -345,9 +371,26 @@ class Communicator:
         return out
 
     # -- lifetime ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until this rank's enqueued calls finished; raise an error one of them recorded.
+
+        Blocks the host (a stream synchronize on CUDA; a no-op on CPU, whose calls block). CUDA calls
+        report a timeout lazily: at the next call on this rank, or here.
+        """
+        self._check_usable("synchronize")
+        if self.engine_name == "cuda":
+            self._engine.synchronize()
+
     @contextlib.contextmanager
     def capture(self):
-        """Context for CUDA graph capture. The CPU engine captures nothing: a no-op."""
+        """Context for CUDA graph capture (the CPU engine captures nothing: a no-op).
+
+        Calls inside are capturable: no host sync, no allocation by purlin. Every call captured
+        must have been run once before (same collective, sizes and dtype) so that its op table
+        exists: calls that were not are refused with a message saying to warm up outside the
+        capture (as torch symmetric memory does). Errors of replayed calls surface at the next
+        eager call or :meth:`synchronize`.
+        """
         self._check_usable("capture")
         yield self
 
@@ -356,6 +399,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_engine", None) is None:
+            return
         self._engine.close()
         if self.group is not None:  # a process-shared mapping is this rank's own
             self._ws.close()
@@ -392,23 +437,45 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any = "cpu", config: Any = None) -> list:
     """Call ``fn(comm)`` once per virtual rank, concurrently, and return the results in rank order.
 
-    Virtual ranks are threads of this process sharing one workspace (CPU now; CUDA
-    loopback ranks once the CUDA engine exists). If any rank raises, the others are
-    released (their waits fail fast) and the first root-cause error is re-raised.
+    Virtual ranks are threads of this process sharing one workspace: host memory on CPU; on
+    ``device="cuda"``, loopback ranks on ONE GPU (one allocation, each rank its own thread and
+    stream, running the CUDA engine; each rank's stream is synchronized after ``fn`` returns).
+    If any rank raises, the others are released (CPU: their waits fail fast; CUDA: they time
+    out) and the first root-cause error is re-raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")
     cfg = _coerce_config(config)
     dev = torch.device(device)
-    select_engine(dev, cfg.memory)
-    vworld = _VirtualWorld(world_size, cfg)
-    comms = [Communicator._virtual(vworld, r) for r in range(world_size)]
+    engine, _ = select_engine(dev, cfg.memory, virtual=True)
+    vworld = _VirtualWorld(world_size, cfg, dev, engine.name)
+    cuda = vworld.device.type == "cuda"
+    comms: list[Communicator] = []
+    try:
+        comms = [Communicator._virtual(vworld, r) for r in range(world_size)]
+    except BaseException:
+        for c in comms:
+            c.close()
+        vworld.close()
+        raise
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
+    if cuda:  # one stream per rank; inputs made before the call are complete before any rank starts
+        streams = [torch.cuda.Stream(device=vworld.device) for _ in range(world_size)]
+        torch.cuda.synchronize(vworld.device)
+
+    def call(r: int) -> Any:
+        if not cuda:
+            return fn(comms[r])
+        with torch.cuda.device(vworld.device), torch.cuda.stream(streams[r]):
+            out = fn(comms[r])
+            if not comms[r]._closed:
+                comms[r].synchronize()  # results complete, and a recorded timeout raised here
+            return out
 
     def body(r: int) -> None:
         try:
-            results[r] = fn(comms[r])
+            results[r] = call(r)
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
             comms[r]._engine.mark_broken(f"rank {r} raised {type(e).__name__}: {e}")
@@ -425,8 +492,11 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
                     f"run_virtual: rank {r} did not return within {cfg.timeout_s * 4 + 60:g}s", rank=r, missing=[r]
                 )
     finally:
+        if cuda:  # every rank's kernels have ended (at worst by their timeouts) before memory is freed
+            torch.cuda.synchronize(vworld.device)
         for c in comms:
             c.close()
+        vworld.close()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -53,6 +53,24 @@ def build_info() -> dict:
     return info
 
 
+SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS
+_ll = ctypes.c_longlong
+
+
+class SnacParams(ctypes.Structure):
+    """native.h's PurlinSnacParams (keep the field order in step with the header)."""
+
+    _fields_ = [
+        ("ops", ctypes.c_void_p), ("n_ops", _ll), ("n_updates", _ll),
+        ("input", ctypes.c_void_p), ("output", ctypes.c_void_p),
+        ("bases", ctypes.c_void_p * SNAC_MAX_RANKS),
+        ("rank", _ll), ("world", _ll), ("dtype", _ll), ("blocks", _ll), ("max_items", _ll),
+        ("notify_off", _ll), ("ack_off", _ll), ("sent_off", _ll), ("expect_off", _ll), ("acked_off", _ll),
+        ("arrive_off", _ll), ("arrive_slots", _ll), ("exit_off", _ll), ("error_off", _ll), ("staging_off", _ll),
+        ("timeout_ns", _ll), ("host_error", ctypes.c_void_p), ("tag", _ll),
+    ]
+
+
 class NativeLibrary:
     """Typed ctypes bindings over the loaded native library. Obtain it with :func:`load`."""
 
@@ -79,7 +97,19 @@ class NativeLibrary:
             ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
         ]
         lib.purlin_reduce_atom.restype = ctypes.c_int
+        lib.purlin_snac_execute.argtypes = [ctypes.POINTER(SnacParams), ctypes.c_void_p]
+        lib.purlin_snac_execute.restype = ctypes.c_int
+        lib.purlin_snac_occupancy.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        lib.purlin_snac_occupancy.restype = ctypes.c_int
         self._lib = lib
+        self.snac_execute = lib.purlin_snac_execute  # (byref(SnacParams), stream) -> cudaError_t; hot path
+
+    def snac_occupancy(self, dtype_code: int) -> tuple[int, int]:
+        """(resident interpreter blocks per SM, SM count) of the current device."""
+        per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
+        self.check("snac_occupancy", int(self._lib.purlin_snac_occupancy(dtype_code, ctypes.byref(per_sm),
+                                                                         ctypes.byref(sms))))
+        return int(per_sm.value), int(sms.value)
 
     def abi_version(self) -> int:
         return int(self._lib.purlin_native_abi_version())
@@ -198,6 +228,11 @@ def _reduce_dtype_codes() -> dict:
     return _REDUCE_DTYPE_CODES
 
 
+def reduce_dtype_code(dtype: Any) -> int:
+    """native.h's purlin_dtype code of a torch dtype, 0 if the reduce path does not support it."""
+    return _reduce_dtype_codes().get(dtype, 0)
+
+
 def _check_reduce(
     dst_ptr: Any, src_ptrs: Any, nbytes: Any, dtype: Any, op: Any, stream: Any, max_blocks: Any
 ) -> tuple[list[int], int, int]:
@@ -286,6 +321,6 @@ def copy_atom(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
 
 
 __all__ = [
-    "ABI_VERSION", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES", "build_info", "copy_atom", "load",
-    "reduce_atom",
+    "ABI_VERSION", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES", "SNAC_MAX_RANKS", "SnacParams",
+    "build_info", "copy_atom", "load", "reduce_atom", "reduce_dtype_code",
 ]

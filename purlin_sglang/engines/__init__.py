@@ -15,38 +15,59 @@ class EngineInfo:
     device_type: str
     priority: int
     memories: tuple[str, ...]  # providers it can run on; the first is what "auto" picks
+    virtual_memories: tuple[str, ...] = ()  # providers for run_virtual (ranks in one process)
 
 
 ENGINES: tuple[EngineInfo, ...] = (
-    EngineInfo("cpu", "cpu", 0, ("host",)),
+    EngineInfo("cpu", "cpu", 0, ("host",), ("host",)),
+    EngineInfo("cuda", "cuda", 10, ("ipc",), ("loopback",)),
 )
+# Providers the CUDA engine is wired to today, per mode (the ipc provider is not connected yet).
+_CUDA_READY = {"virtual": ("loopback",), "group": ()}
 
 
 def cuda_engine_status() -> str:
-    """Why the CUDA engine cannot be used here (this version has none yet)."""
+    """Why the CUDA engine cannot be used here ("" if it can)."""
     from .. import native
 
     info = native.build_info()
-    parts = ["the CUDA engine is not implemented in this version of purlin_sglang (planned next)"]
+    parts = []
     if not info.get("cuda"):
         parts.append(f"the native library was built without CUDA: {info.get('reason') or 'unknown reason'}")
     if not torch.cuda.is_available():
         parts.append("no CUDA GPU is visible to torch")
-    return "; ".join(parts)
+    if parts:
+        return "the CUDA engine cannot run: " + "; ".join(parts)
+    return ""
 
 
-def select_engine(device: torch.device, memory: str) -> tuple[EngineInfo, str]:
-    """Pick the highest-priority engine for ``device`` and resolve ``memory='auto'``."""
-    if device.type == "cuda":
-        raise PurlinUnavailableError(f"device {device}: {cuda_engine_status()}")
+def select_engine(device: torch.device, memory: str, *, virtual: bool = False) -> tuple[EngineInfo, str]:
+    """Pick the highest-priority engine for ``device`` and resolve ``memory='auto'``.
+
+    ``virtual``: ranks are threads of this process (run_virtual), served by the engine's
+    ``virtual_memories`` (loopback on CUDA); otherwise ranks are processes of a group.
+    """
     found = sorted((e for e in ENGINES if e.device_type == device.type), key=lambda e: -e.priority)
     if not found:
         raise PurlinValueError(f"device {device}: unsupported device type; use 'cpu' or a CUDA device")
     eng = found[0]
-    mem = eng.memories[0] if memory == "auto" else memory
-    if mem not in eng.memories:
+    if eng.device_type == "cuda":
+        why = cuda_engine_status()
+        if why:
+            raise PurlinUnavailableError(f"device {device}: {why}")
+    mems = eng.virtual_memories if virtual else eng.memories
+    mem = mems[0] if memory == "auto" else memory
+    if mem not in mems:
+        hint = ("the ipc, nvshmem, torch and loopback providers belong to the CUDA engine"
+                if eng.name == "cpu" else "run_virtual uses loopback; process groups use ipc")
         raise PurlinUnavailableError(
-            f"memory={memory!r} is not available for the {eng.name} engine (it supports {list(eng.memories)}); "
-            "the ipc, nvshmem, torch and loopback providers belong to the CUDA engine"
+            f"memory={memory!r} is not available for the {eng.name} engine "
+            f"{'with virtual ranks' if virtual else 'with a process group'} (it supports {list(mems)}); {hint}"
+        )
+    if eng.name == "cuda" and mem not in _CUDA_READY["virtual" if virtual else "group"]:
+        raise PurlinUnavailableError(
+            f"device {device}: the CUDA engine with memory={mem!r} over a process group is not wired yet in "
+            "this version; use purlin_sglang.run_virtual(world, fn, device='cuda') (loopback ranks on one "
+            "GPU) or device='cpu'"
         )
     return eng, mem

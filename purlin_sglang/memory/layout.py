@@ -91,3 +91,90 @@ class WorkspaceLayout:
     @property
     def total_bytes(self) -> int:
         return self.staging_offset(self.world)
+
+
+ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
+ERROR_WORDS = 8  # [code, op index, kind, peer, item, rank, target, seen]
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """One rank's GPU workspace as the CUDA engine sees it (every rank's has the same layout).
+
+    Rank ``r`` POLLS only words in its own workspace; peers write them remotely (P2P stores):
+
+    * ``notify[p][i]``: chunks producer ``p`` staged in its item ``i`` for ``r`` (written by ``p``).
+    * ``ack[c][i]``: chunks consumer ``c`` drained from ``r``'s item ``i`` (written by ``c``).
+
+    and ``r``'s own state, touched only by ``r``'s kernel:
+
+    * mirrors ``sent[c][i]``, ``expect[p][i]``, ``acked[p][i]`` (int64): the values of the counters
+      ``r`` writes or awaits, at the start of the next call (written back by the kernel's last block).
+    * ``arrive[ARRIVE_SLOTS]``: monotonic per-op arrival counters ("last block signals", barriers).
+    * ``exit``: the kernel's exit arrival counter; ``error``: non-zero once a wait timed out.
+    * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
+
+    Every offset here is in BYTES from the rank's workspace base; the kernel receives them in its
+    parameter struct and computes none itself.
+    """
+
+    world: int
+    staging_bytes: int
+
+    @property
+    def max_items(self) -> int:
+        return self.world + 1
+
+    @property
+    def grid_words(self) -> int:
+        """Words of one [world][max_items] array."""
+        return self.world * self.max_items
+
+    def word(self, base: int, peer: int, item: int) -> int:
+        """Byte offset of entry [peer][item] of the array at byte offset ``base``."""
+        return base + (peer * self.max_items + item) * WORD
+
+    @property
+    def notify_off(self) -> int:
+        return 0
+
+    @property
+    def ack_off(self) -> int:
+        return self.notify_off + self.grid_words * WORD
+
+    @property
+    def sent_off(self) -> int:
+        return self.ack_off + self.grid_words * WORD
+
+    @property
+    def expect_off(self) -> int:
+        return self.sent_off + self.grid_words * WORD
+
+    @property
+    def acked_off(self) -> int:
+        return self.expect_off + self.grid_words * WORD
+
+    @property
+    def arrive_off(self) -> int:
+        return _align(self.acked_off + self.grid_words * WORD, 128)
+
+    @property
+    def exit_off(self) -> int:
+        return self.arrive_off + ARRIVE_SLOTS * WORD
+
+    @property
+    def error_off(self) -> int:
+        return self.exit_off + 128  # its own 128-byte line
+
+    @property
+    def signal_bytes(self) -> int:
+        return self.error_off + 128
+
+    @property
+    def staging_off(self) -> int:
+        return _align(self.signal_bytes, PAGE)
+
+    @property
+    def rank_bytes(self) -> int:
+        """Bytes of one rank's workspace (a multiple of 4096)."""
+        return self.staging_off + _align(self.staging_bytes, PAGE)

@@ -11,7 +11,7 @@
 
 // Always present.
 PURLIN_API int purlin_native_abi_version(void);
-// JSON: {"abi": 2, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
+// JSON: {"abi": 3, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
 PURLIN_API const char* purlin_native_build_info(void);
 
 // Present only when the module was built with CUDA.
@@ -53,3 +53,34 @@ enum purlin_reduce_op {
 // launched); nbytes == 0 is a no-op. Safe under CUDA graph capture (one launch, no host sync).
 PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, size_t nbytes, int dtype, int op,
                                   void* stream, int max_blocks);
+
+// ---- SNAC interpreter (ABI 3) ---------------------------------------------------------------
+// One launch runs one rank's lowered schedule (purlin_sglang/snac/lower.py), encoded ONCE by the
+// host (purlin_sglang/engines/cuda_ops.py) into a device op table of fixed 12-word int64 records.
+// Every offset comes from the host's DeviceLayout (purlin_sglang/memory/layout.py) through this
+// struct; the kernel computes none. All state lives in device memory (counters, mirrors), so a
+// captured CUDA graph replays correctly; the host passes no sequence number.
+#define PURLIN_SNAC_MAX_RANKS 64
+#define PURLIN_SNAC_OP_WORDS 12
+typedef struct PurlinSnacParams {
+  const long long* ops;       // device: n_ops records, then n_updates (byte offset, delta) pairs
+  long long n_ops;
+  long long n_updates;        // mirror updates applied by the kernel's last block
+  void* input;                // this call's input / output (device)
+  void* output;
+  void* bases[PURLIN_SNAC_MAX_RANKS];  // every rank's workspace base, as mapped here
+  long long rank, world, dtype;        // dtype: a purlin_dtype, 0 = copy-only schedule
+  long long blocks;                    // grid size: FIXED per workspace (arrival counters count it)
+  long long max_items;
+  long long notify_off, ack_off, sent_off, expect_off, acked_off, arrive_off, arrive_slots;
+  long long exit_off, error_off, staging_off;  // byte offsets in a rank's workspace
+  long long timeout_ns;                // bound of every wait (%globaltimer)
+  long long* host_error;               // host-mapped pinned record (16 words), written on a timeout:
+                                       // [1, op index, kind, peer, item, rank, target, seen, tag]
+  long long tag;                       // the host's name for this schedule, echoed in the record
+} PurlinSnacParams;
+// Enqueue one rank's schedule on `stream` (asynchronous; safe under CUDA graph capture: one launch,
+// no host sync, no allocation). Returns a cudaError_t (cudaErrorInvalidValue for bad params).
+PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream);
+// Max thread blocks of the interpreter per SM (occupancy), for dtype; returns a cudaError_t.
+PURLIN_API int purlin_snac_occupancy(int dtype, int* blocks_per_sm, int* sm_count);

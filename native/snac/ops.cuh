@@ -1,0 +1,69 @@
+// The device op encoding of a lowered SNAC schedule, and the system-scope signal primitives.
+// The host side of this encoding is purlin_sglang/engines/cuda_ops.py: keep the two in step.
+//
+// A table holds fixed records of PURLIN_SNAC_OP_WORDS int64 words; word 0 is
+//   opcode | sub << 8 | nsrc << 16 | flags << 24
+// and a buffer reference ("ref") is  buf << 62 | rank << 48 | byte offset (48 bits), with buf
+// INPUT / OUTPUT (this call's tensors) or STAGE (rank's staging).
+//   COPY     w1 dst ref, w2 src ref, w3 bytes
+//   REDUCE   sub = purlin_reduce_op, nsrc sources: w1 dst ref, w2 bytes, w3.. source refs (rank order)
+//   SIGNAL   sub = kind (notify | ack): w1 peer, w2 item, w3 arrival slot, w4 k; the value written
+//            is my mirror (sent[peer][item] or acked[peer][item]) at kernel start + k
+//   WAIT     sub = kind (notify | ack | drain): w1 peer, w2 item, w3 k; the target is my mirror
+//            (expect[peer][item], else sent[peer][item]) at kernel start + k
+//   BARRIER  w1 arrival slot; flags bit 0: only when input == output (an in-place call)
+//   DRAINALL w1 items: every peer c acked all I notified it for items < w1 (sent[c][i]), polled
+//            by one thread per (c, i) in parallel
+// After the records: n_updates pairs (byte offset of a mirror in my workspace, delta).
+#pragma once
+#include <cstdint>
+
+#include "purlin/native.h"
+
+namespace purlin::snac {
+
+enum Opcode : int { kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6 };
+enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3 };
+enum Buf : int { kInput = 0, kOutput = 1, kStage = 2 };
+constexpr unsigned kOpWords = PURLIN_SNAC_OP_WORDS;
+constexpr long long kFlagInPlaceOnly = 1;
+
+struct SnacConfig {
+  static constexpr unsigned kThreads = 512;
+  static constexpr int kCopyUnroll = 4;
+};
+
+__device__ __forceinline__ char* resolve(const PurlinSnacParams& p, long long ref) {
+  const unsigned long long u = static_cast<unsigned long long>(ref);
+  const int buf = int(u >> 62);
+  const int rank = int((u >> 48) & 0x3fff);
+  const unsigned long long off = u & ((1ull << 48) - 1);
+  char* base = buf == kInput ? static_cast<char*>(p.input)
+             : buf == kOutput ? static_cast<char*>(p.output)
+                              : static_cast<char*>(p.bases[rank]) + p.staging_off;
+  return base + off;
+}
+
+__device__ __forceinline__ long long ld_relaxed_sys(const long long* p) {
+  long long v;
+  asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ long long ld_acquire_sys(const long long* p) {
+  long long v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(long long* p, long long v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_volatile(long long* p, long long v) {
+  asm volatile("st.volatile.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+}  // namespace purlin::snac

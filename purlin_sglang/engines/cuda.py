@@ -1,0 +1,188 @@
+"""The CUDA engine: runs the SAME lowered schedules as the CPU engine, one kernel launch per call.
+
+Each schedule is encoded once (engines/cuda_ops.py) into a device op table, kept until the engine
+closes (captured CUDA graphs point at it). A call fills a prebuilt parameter struct with the table,
+the input and output pointers and the dtype, and launches the interpreter (native/snac/) on the
+caller's current stream. It never blocks the host and never synchronizes the device.
+
+Timeouts are reported lazily: a wait past ``timeout_s`` records the op, kind, peer and item in a
+host-mapped pinned record and ends the kernel (later kernels of this rank exit at once). The host
+reads the record, without a device sync, at the start of every call and in :meth:`synchronize`,
+and raises :class:`PurlinTimeoutError` there: an error can surface one call late, or at
+``Communicator.synchronize()``. After one the engine is broken; create a new Communicator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from .. import native
+from ..errors import PurlinBrokenError, PurlinCudaError, PurlinTimeoutError, PurlinUnavailableError
+from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
+from ..snac import Schedule
+from .cuda_ops import KIND_NAMES, encode
+
+MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
+HOST_ERROR_WORDS = 16
+TABLE_ARENA_WORDS = 1 << 18  # 2 MiB of op tables per rank, allocated up front; grows by doubling
+
+
+class _Arena:
+    """Device memory for op tables, allocated when the engine is made (outside any call).
+
+    Tables are uploaded into it with a plain host-to-device copy: no device allocation happens on
+    the call path, since in loopback a cudaMalloc while other ranks' kernels run serializes the
+    streams (CUDA's implicit synchronization) and would cost a timeout."""
+
+    def __init__(self, device: torch.device, words: int):
+        self.device, self.chunks, self.used = device, [torch.empty(words, dtype=torch.int64, device=device)], 0
+
+    def put(self, words: np.ndarray) -> torch.Tensor:
+        n = max(1, int(words.size))
+        cur = self.chunks[-1]
+        if self.used + n > cur.numel():  # rare: a larger chunk (a device allocation, once)
+            cur = torch.empty(max(2 * cur.numel(), n), dtype=torch.int64, device=self.device)
+            self.chunks.append(cur)
+            self.used = 0
+        view = cur[self.used: self.used + n]
+        if words.size:
+            view.copy_(torch.from_numpy(words))
+        self.used += (n + 15) // 16 * 16  # 128-byte aligned tables
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * 8 for c in self.chunks)
+
+
+def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int) -> int:
+    """Blocks per rank such that every rank on this GPU has all its blocks resident at once."""
+    per_sm, sms = lib.snac_occupancy(native.reduce_dtype_code(torch.bfloat16))
+    slots = per_sm * sms // max(1, ranks_on_gpu)
+    if slots < 1:
+        raise PurlinUnavailableError(
+            f"cuda engine: {ranks_on_gpu} ranks on one GPU with {sms} SMs cannot all be resident "
+            f"({per_sm} interpreter block(s) per SM); use fewer virtual ranks")
+    return min(MAX_BLOCKS, slots)
+
+
+class CudaEngine:
+    name = "cuda"
+
+    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None):
+        if world > native.SNAC_MAX_RANKS:
+            raise PurlinUnavailableError(f"cuda engine: at most {native.SNAC_MAX_RANKS} ranks, got {world}")
+        self.lib = native.load()
+        self.ws, self.rank, self.world, self.timeout_s = ws, rank, world, timeout_s
+        self.device = torch.device("cuda", ws.device_index)
+        dl: DeviceLayout = ws.dlayout
+        self.dlayout = dl
+        with torch.cuda.device(self.device):
+            self.blocks = grid_blocks(self.lib, world, ranks_on_gpu or world)
+        self._arena = _Arena(self.device, TABLE_ARENA_WORDS)
+        self._host_error = torch.zeros(HOST_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
+        self._err = self._host_error.numpy()
+        p = native.SnacParams()
+        for r, ptr in enumerate(ws.base_ptrs):
+            p.bases[r] = ptr
+        p.rank, p.world, p.blocks, p.max_items = rank, world, self.blocks, dl.max_items
+        p.notify_off, p.ack_off, p.sent_off = dl.notify_off, dl.ack_off, dl.sent_off
+        p.expect_off, p.acked_off, p.arrive_off, p.arrive_slots = dl.expect_off, dl.acked_off, dl.arrive_off, ARRIVE_SLOTS
+        p.exit_off, p.error_off, p.staging_off = dl.exit_off, dl.error_off, dl.staging_off
+        p.timeout_ns = int(timeout_s * 1e9)
+        p.host_error = self._host_error.data_ptr()
+        self._params = p
+        self._pref = ctypes.byref(p)
+        self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
+        self._by_key: dict[tuple, tuple] = {}
+        self._names: list[str] = []  # tag -> collective name, for error messages
+        self._stream = None
+        self.broken: str | None = None
+
+    # -- tables --------------------------------------------------------------------------------
+    def _table(self, sched: Schedule, op: str) -> tuple:
+        e = self._by_id.get(id(sched))
+        if e is not None and e[0] is sched:
+            return e
+        key = (sched.plan, sched.sizes)
+        e = self._by_key.get(key)
+        if e is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise PurlinUnavailableError(
+                    f"{op}: this call's schedule (collective, sizes, dtype layout) was not run before the CUDA "
+                    "graph capture began; run the same call once outside the capture (warm-up) first")
+            enc = encode(sched, self.dlayout)
+            table = self._arena.put(enc.words)
+            self._names.append(op)
+            e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1)
+            self._by_key[key] = e
+        self._by_id[id(sched)] = e if e[0] is sched else (sched,) + e[1:]
+        return self._by_id[id(sched)]
+
+    # -- calls ---------------------------------------------------------------------------------
+    def execute(self, sched: Schedule, ctx) -> None:
+        """Enqueue one rank's schedule on the current stream. Collective; does not block the host."""
+        if self._err[0]:
+            self._raise_recorded()
+        if self.broken:
+            raise PurlinBrokenError(f"{ctx.op}: the communicator is broken ({self.broken})")
+        _, table, n_ops, n_updates, tag = self._table(sched, ctx.op)
+        p = self._params
+        p.ops, p.n_ops, p.n_updates, p.tag = table.data_ptr(), n_ops, n_updates, tag
+        p.input, p.output = ctx.inp.data_ptr(), ctx.out.data_ptr()
+        p.dtype = native.reduce_dtype_code(ctx.dtype) if _has_reduce(sched) else 0
+        stream = torch.cuda.current_stream(self.device)
+        self._stream = stream
+        code = self.lib.snac_execute(self._pref, stream.cuda_stream)
+        if code:
+            self.mark_broken(f"launch failed with CUDA error {code}")
+            raise PurlinCudaError(f"{ctx.op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's enqueued calls; raise a timeout one of them recorded. Blocks the host."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        if self._err[0]:
+            self._raise_recorded()
+
+    def check(self) -> None:
+        """Raise a recorded timeout without waiting (no device sync)."""
+        if self._err[0]:
+            self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        _, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
+        name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
+        kname = KIND_NAMES.get(kind, str(kind))
+        what = {
+            "notify": f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
+            "ack": f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
+            "drain": f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
+            "barrier": "the other blocks of my own grid",
+        }.get(kname, kname)
+        msg = (f"{name}: rank {rank} waited {self.timeout_s:g}s at op #{index} ({kname} wait) for {what}. "
+               f"Rank {peer} skipped this call or is stuck; the communicator is now broken")
+        self.broken = self.broken or msg
+        missing = [peer] if kname != "barrier" else []
+        raise PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
+
+    @property
+    def table_bytes(self) -> int:
+        """GPU memory held for op tables."""
+        return self._arena.nbytes
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = self.broken or reason
+
+    def close(self) -> None:
+        self._by_id.clear()
+        self._by_key.clear()
+        self._arena = None
+        self.ws = None
+
+
+def _has_reduce(sched: Schedule) -> bool:
+    return not sched.plan.spec.consume.is_copy

@@ -1,0 +1,194 @@
+"""Encoding a lowered schedule into the CUDA interpreter's device op table (native/snac/ops.cuh).
+
+Done ONCE per schedule on the host; the table then lives on the device and a call is one launch.
+Three things are decided here, not on the device:
+
+* signal values and wait targets as "my mirror at kernel start + k", k counted within the call;
+* arrival slots: the i-th signal or barrier of the schedule uses counter ``i % ARRIVE_SLOTS``. A
+  slot may be reused within one call only once every block has passed its previous use; the
+  encoder proves that from the waits (see ``_Guard``) and refuses a schedule it cannot prove;
+* grid barriers: blocks split each data op differently, so a data op that reads or overwrites a
+  local range another data op of the same call touched (e.g. two-shot's copy out of my own reduced
+  shard) gets a barrier before it, unless a passed drain wait already proves that op complete.
+  A conflict that exists only when the output IS the input (in-place all_reduce / broadcast) gets
+  a barrier that the kernel runs only for in-place calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PurlinPlanError
+from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
+from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
+
+OP_WORDS = 12
+COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL = 1, 2, 3, 4, 5, 6
+NOTIFY, ACK, DRAIN, BARRIER_KIND = 0, 1, 2, 3
+KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier"}
+FLAG_INPLACE_ONLY = 1
+_BUF = {Buf.INPUT: 0, Buf.OUTPUT: 1, Buf.STAGE: 2}
+_REDOP = {"sum": 1, "max": 2, "min": 3}
+MAX_REDUCE_SOURCES = 8
+
+
+@dataclass(frozen=True)
+class Encoded:
+    words: np.ndarray  # int64: n_ops records of OP_WORDS, then n_updates (offset, delta) pairs
+    n_ops: int
+    n_updates: int
+    n_barriers: int
+
+
+def _ref(s: Span) -> int:
+    if s.offset >= 1 << 48 or s.rank >= 1 << 14:
+        raise PurlinPlanError(f"cuda engine: span {s} is out of the encodable range")
+    v = (_BUF[s.buf] << 62) | (s.rank << 48) | s.offset
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class _Guard:
+    """Local read/write ranges of data ops not yet proven complete on every block."""
+
+    def __init__(self, me: int, alias_io: bool):
+        self.me, self.alias_io = me, alias_io
+        self.real: list = []  # (record index, reads, writes): checked without aliasing
+        self.alias: list = []  # the same, checked with input == output
+
+    def _ranges(self, spans, alias: bool):
+        out = []
+        for s in spans:
+            if s.nbytes == 0 or (s.buf is Buf.STAGE and s.rank != self.me):
+                continue
+            buf = Buf.INPUT if (alias and s.buf is Buf.OUTPUT) else s.buf
+            out.append((buf, s.offset, s.offset + s.nbytes))
+        return out
+
+    @staticmethod
+    def _hit(a, b) -> bool:
+        return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in a for y in b)
+
+    def _conflicts(self, pending, reads, writes) -> bool:
+        return any(self._hit(writes, w) or self._hit(writes, r) or self._hit(reads, w) for _, r, w in pending)
+
+    def check(self, reads, writes) -> int:
+        """0: no barrier; 1: a barrier; 2: a barrier for in-place calls only."""
+        if self._conflicts(self.real, self._ranges(reads, False), self._ranges(writes, False)):
+            return 1
+        if self.alias_io and self._conflicts(self.alias, self._ranges(reads, True), self._ranges(writes, True)):
+            return 2
+        return 0
+
+    def add(self, index: int, reads, writes) -> None:
+        self.real.append((index, self._ranges(reads, False), self._ranges(writes, False)))
+        if self.alias_io:
+            self.alias.append((index, self._ranges(reads, True), self._ranges(writes, True)))
+
+    def done_before(self, index: int) -> None:
+        self.real = [e for e in self.real if e[0] >= index]
+        self.alias = [e for e in self.alias if e[0] >= index]
+
+
+def _check_run(recs: list, op: Signal, name: str) -> None:
+    """The kernel gives a run of consecutive signals in parallel: no counter may appear twice in one."""
+    kind = NOTIFY if op.kind == "notify" else ACK
+    for r in reversed(recs):
+        if r[0] & 0xFF != SIGNAL:
+            return
+        if (r[0] >> 8) & 0xFF == kind and r[1] == op.peer and r[2] == op.item:
+            raise PurlinPlanError(f"{name}: internal: two {op.kind} signals to rank {op.peer} item {op.item} "
+                                  "with no op between them")
+
+
+def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
+    """The device op table of ``sched`` for a workspace laid out by ``dl``."""
+    plan = sched.plan
+    me, spec = plan.rank, plan.spec
+    recs: list[list[int]] = []
+    sent: dict = {}
+    expect: dict = {}
+    acked: dict = {}
+    notify_at: dict = {}  # (c, item) -> [(record index, ordinal)] of my notifies this call
+    ordinal = 0
+    done_ordinal = 0  # every block has passed every signal / barrier with a smaller ordinal
+    guard = _Guard(me, alias_io=not spec.input.sliced and not spec.output.sliced)
+    n_barriers = 0
+
+    def slot() -> int:
+        nonlocal ordinal
+        o = ordinal
+        if o >= ARRIVE_SLOTS and done_ordinal <= o - ARRIVE_SLOTS:
+            raise PurlinPlanError(
+                f"{spec.name}: the CUDA engine cannot prove arrival counter {o % ARRIVE_SLOTS} free for "
+                f"signal #{o} of this call; lower tuning.slots or raise staging_bytes")
+        ordinal += 1
+        return o
+
+    def data(rec: list[int], reads, writes) -> None:
+        nonlocal n_barriers, done_ordinal
+        need = guard.check(reads, writes)
+        if need:
+            o = slot()
+            recs.append([BARRIER | ((FLAG_INPLACE_ONLY if need == 2 else 0) << 24), o % ARRIVE_SLOTS])
+            n_barriers += 1
+            if need == 1:
+                guard.done_before(len(recs))
+                done_ordinal = max(done_ordinal, o + 1)
+            else:
+                guard.alias = []
+        guard.add(len(recs), reads, writes)
+        recs.append(rec)
+
+    for op in sched.ops:
+        if isinstance(op, Copy):
+            if op.dst.nbytes:
+                data([COPY, _ref(op.dst), _ref(op.src), op.dst.nbytes], [op.src], [op.dst])
+        elif isinstance(op, Reduce):
+            if len(op.srcs) > MAX_REDUCE_SOURCES:
+                raise PurlinPlanError(
+                    f"{spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
+                    f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
+            if op.dst.nbytes:
+                w0 = REDUCE | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
+                data([w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs], list(op.srcs), [op.dst])
+        elif isinstance(op, Signal):
+            key = (op.peer, op.item)
+            _check_run(recs, op, spec.name)
+            o = slot()
+            if op.kind == "notify":
+                sent[key] = sent.get(key, 0) + 1
+                notify_at.setdefault(key, []).append((len(recs), o))
+                recs.append([SIGNAL | (NOTIFY << 8), op.peer, op.item, o % ARRIVE_SLOTS, sent[key]])
+            else:
+                acked[key] = acked.get(key, 0) + 1
+                recs.append([SIGNAL | (ACK << 8), op.peer, op.item, o % ARRIVE_SLOTS, acked[key]])
+        elif isinstance(op, WaitSignal):
+            key = (op.peer, op.item)
+            if op.kind == "notify":
+                expect[key] = expect.get(key, 0) + 1
+                recs.append([WAIT | (NOTIFY << 8), op.peer, op.item, expect[key]])
+            else:
+                k = sent.get(key, 0) - op.lag
+                recs.append([WAIT | (ACK << 8), op.peer, op.item, k])
+                if k >= 1:  # the peer acked my k-th notify: every block passed it
+                    index, o = notify_at[key][k - 1]
+                    guard.done_before(index)
+                    done_ordinal = max(done_ordinal, o + 1)
+        elif isinstance(op, WaitDrainAll):
+            if any(sent.get((c, i), 0) for c in op.peers for i in range(op.items)):
+                raise PurlinPlanError(f"{spec.name}: internal: drain-all after this call's own notifies")
+            recs.append([DRAINALL, op.items])
+        else:  # pragma: no cover
+            raise PurlinPlanError(f"{spec.name}: internal: unknown op {op!r}")
+
+    updates = []
+    for base, counts in ((dl.sent_off, sent), (dl.expect_off, expect), (dl.acked_off, acked)):
+        for (peer, item), n in sorted(counts.items()):
+            updates += [dl.word(base, peer, item), n]
+    words = np.zeros(len(recs) * OP_WORDS + len(updates), dtype=np.int64)
+    for i, r in enumerate(recs):
+        words[i * OP_WORDS: i * OP_WORDS + len(r)] = r
+    words[len(recs) * OP_WORDS:] = updates
+    return Encoded(words, len(recs), len(updates) // 2, n_barriers)

@@ -1,0 +1,147 @@
+"""The CUDA engine's op-table encoding (engines/cuda_ops.py), checked without a GPU: a Python model
+of the device interpreter (native/snac/interpreter.cuh, one block per rank) runs the encoded tables
+of virtual ranks, and every collective must come out bitwise as the torch reference, over several
+calls in a row (mirrors and counters carried across calls, as on the device)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import purlin_sglang as ps
+import purlin_sglang.api as api
+from _torch_reference import COLLECTIVES, case, check_case
+from purlin_sglang.collectives import ReduceOp
+from purlin_sglang.engines import cuda_ops as co
+from purlin_sglang.memory.layout import DeviceLayout
+
+_REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
+_SHARED: dict = {}
+_LOCK = threading.Lock()
+
+
+class _Sim:
+    """One rank's interpreter model: int64 words of every rank, and staging bytes."""
+
+    def __init__(self, ws, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.broken = rank, world, None
+        self.dl = DeviceLayout(world, ws.layout.staging_bytes)
+        with _LOCK:
+            if id(ws) not in _SHARED:
+                n = self.dl.staging_off // 8
+                _SHARED[id(ws)] = ([np.zeros(n, dtype=np.int64) for _ in range(world)],
+                                   [torch.zeros(self.dl.staging_bytes, dtype=torch.uint8) for _ in range(world)])
+            self.words, self.stage = _SHARED[id(ws)]
+
+    def mark_broken(self, reason):
+        self.broken = reason
+
+    def close(self):
+        pass
+
+    def _buf(self, ref: int, ctx):
+        u = ref & ((1 << 64) - 1)
+        buf, rank, off = u >> 62, (u >> 48) & 0x3FFF, u & ((1 << 48) - 1)
+        base = ctx.inp if buf == 0 else ctx.out if buf == 1 else self.stage[rank]
+        return base, off
+
+    def _span(self, ref, n, ctx):
+        base, off = self._buf(ref, ctx)
+        return base[off: off + n]
+
+    def _w(self, rank, off, peer, item):
+        return self.dl.word(off, peer, item) // 8
+
+    def _wait(self, rank_words, idx, target):
+        t0 = time.monotonic()
+        while rank_words[idx] < target:
+            if time.monotonic() - t0 > 20:
+                raise TimeoutError(f"sim rank {self.rank}: word {idx} < {target}")
+            time.sleep(0)
+
+    def execute(self, sched, ctx):
+        enc = co.encode(sched, self.dl)
+        me, W, dl = self.rank, self.words, self.dl
+        mine = W[me]
+        start = mine.copy()  # mirrors as read at kernel start
+        for i in range(enc.n_ops):
+            o = [int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]]
+            code, sub, nsrc = o[0] & 0xFF, (o[0] >> 8) & 0xFF, (o[0] >> 16) & 0xFF
+            if code == co.COPY:
+                self._span(o[1], o[3], ctx).copy_(self._span(o[2], o[3], ctx))
+            elif code == co.REDUCE:
+                dt = ctx.dtype
+                acc_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+                vals = [self._span(o[3 + s], o[2], ctx).view(dt).to(acc_dt) for s in range(nsrc)]
+                acc = vals[0].clone()
+                for v in vals[1:]:
+                    op = _REDOPS[sub]
+                    acc = acc + v if op is ReduceOp.SUM else torch.maximum(acc, v) if op is ReduceOp.MAX \
+                        else torch.minimum(acc, v)
+                self._span(o[1], o[2], ctx).view(dt).copy_(acc.to(dt))
+            elif code == co.SIGNAL:
+                peer, item, k = o[1], o[2], o[4]
+                if sub == co.NOTIFY:
+                    W[peer][self._w(peer, dl.notify_off, me, item)] = start[self._w(me, dl.sent_off, peer, item)] + k
+                else:
+                    W[peer][self._w(peer, dl.ack_off, me, item)] = start[self._w(me, dl.acked_off, peer, item)] + k
+            elif code == co.WAIT:
+                peer, item, k = o[1], o[2], o[3]
+                if sub == co.NOTIFY:
+                    self._wait(mine, self._w(me, dl.notify_off, peer, item),
+                               start[self._w(me, dl.expect_off, peer, item)] + k)
+                else:
+                    self._wait(mine, self._w(me, dl.ack_off, peer, item),
+                               start[self._w(me, dl.sent_off, peer, item)] + k)
+            elif code == co.DRAINALL:
+                for peer in range(self.world):
+                    for item in range(o[1]):
+                        if peer != me:
+                            self._wait(mine, self._w(me, dl.ack_off, peer, item),
+                                       start[self._w(me, dl.sent_off, peer, item)])
+        up = enc.words[enc.n_ops * co.OP_WORDS:]
+        for j in range(enc.n_updates):
+            mine[int(up[2 * j]) // 8] += int(up[2 * j + 1])
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    monkeypatch.setattr(api, "CpuEngine", _Sim)
+    yield
+    _SHARED.clear()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_encoded_tables_compute_every_collective(sim, world, algorithm):
+    cfg = {"staging_bytes": 4096, "timeout_s": 20, "tuning": {"algorithm": algorithm}}
+    cases = [case(coll, torch.float32, rows=rows, width=37, seed=world, root=world - 1, salt=world)
+             for coll in COLLECTIVES for rows in (1, 9)]
+    cases.append(case("all_reduce", torch.bfloat16, rows=40, width=33, op="max", seed=2))
+    ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
+
+
+def test_barriers_guard_own_shard_and_in_place_only_where_needed():
+    from purlin_sglang.collectives import ALL_GATHER, ALL_REDUCE
+    from purlin_sglang.snac import Sizes, lower, make_plan
+    from purlin_sglang.snac.policy import TuningPolicy
+
+    dl = DeviceLayout(4, 1 << 16)
+    two = lower(make_plan(ALL_REDUCE, 4, 1, nbytes=4096, staging_bytes=1 << 16,
+                          policy=TuningPolicy(algorithm="twoshot")), Sizes((4096,), (4096,)))
+    one = lower(make_plan(ALL_REDUCE, 4, 1, nbytes=4096, staging_bytes=1 << 16,
+                          policy=TuningPolicy(algorithm="oneshot")), Sizes((4096,), (4096,)))
+    ag = lower(make_plan(ALL_GATHER, 4, 1, nbytes=4096, staging_bytes=1 << 16), Sizes((4096,), (4096,) * 4))
+
+    def barriers(s):
+        enc = co.encode(s, dl)
+        w0 = [int(enc.words[i * co.OP_WORDS]) for i in range(enc.n_ops)]
+        return [(w >> 24) & 1 for w in w0 if w & 0xFF == co.BARRIER]
+
+    assert barriers(ag) == []
+    assert barriers(one) == [1]  # in place only: the reduce overwrites the input the stage reads
+    assert 0 in barriers(two)  # the copy out of my own reduced shard waits for every block's reduce

@@ -1,0 +1,122 @@
+"""Loopback CUDA-engine timings on one GPU: small all_reduce inside a CUDA graph, a 64 MiB all_reduce
+(GB/s of the HBM bytes the plan moves), and the eager host overhead of a small call.
+
+    python3 -P tests/gpu/bench_cuda_engine.py [--world 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import torch
+
+import purlin_sglang as ps
+from purlin_sglang.snac import Copy, Reduce
+
+
+def plan_bytes(sched) -> int:
+    """HBM bytes one rank's schedule reads plus writes (copies 2n, reductions (k + 1) n)."""
+    total = 0
+    for op in sched.ops:
+        if isinstance(op, Copy) and op.dst.nbytes and op.dst != op.src:
+            total += 2 * op.dst.nbytes
+        elif isinstance(op, Reduce):
+            total += (len(op.srcs) + 1) * op.dst.nbytes
+    return total
+
+
+def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict) -> dict:
+    barrier = threading.Barrier(world)
+    lock = threading.Lock()
+
+    def fn(comm):
+        n = nbytes // 2
+        x = torch.randn(n, device=comm.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        comm.all_reduce(x, out=out)
+        comm.synchronize()
+        sched = next(iter(comm._schedules.values()))
+        g = torch.cuda.CUDAGraph()
+        barrier.wait()
+        with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+            for _ in range(calls):
+                comm.all_reduce(x, out=out)
+        barrier.wait()
+        g.replay()
+        comm.synchronize()
+        barrier.wait()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(replays):
+            g.replay()
+        e.record()
+        comm.synchronize()
+        return s.elapsed_time(e) * 1e3 / (replays * calls), plan_bytes(sched), sched.plan.algorithm
+
+    res = ps.run_virtual(world, fn, device="cuda", config=cfg)
+    us = max(r[0] for r in res)
+    moved = sum(r[1] for r in res)
+    return {"world": world, "bytes_per_rank": nbytes, "algorithm": res[0][2], "us_per_call": us,
+            "us_per_call_by_rank": [round(r[0], 2) for r in res], "plan_hbm_bytes": moved,
+            "plan_hbm_GBps": moved / (us * 1e-6) / 1e9, "algbw_GBps": nbytes / (us * 1e-6) / 1e9}
+
+
+def eager_case(world: int, nbytes: int, iters: int) -> dict:
+    barrier = threading.Barrier(world)
+
+    def fn(comm):
+        x = torch.randn(nbytes // 2, device=comm.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        for _ in range(10):
+            comm.all_reduce(x, out=out)
+        comm.synchronize()
+        barrier.wait()
+        host = []
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = time.perf_counter()
+            comm.all_reduce(x, out=out)
+            host.append(time.perf_counter() - t)
+        comm.synchronize()
+        return statistics.median(host) * 1e6, (time.perf_counter() - t0) * 1e6 / iters
+
+    res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 20})
+    return {"world": world, "bytes_per_rank": nbytes, "host_us_per_call_median": max(r[0] for r in res),
+            "eager_us_per_call": max(r[1] for r in res)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from purlin_sglang.engines import cuda as cuda_engine
+
+    small = {"staging_bytes": 1 << 20}
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    emit({"case": "graph 8 KiB bf16", **graph_case(a.world, 8192, 50, 20, small)})
+    emit({"case": "graph 64 MiB bf16", **graph_case(a.world, 64 << 20, 2, 5, {"staging_bytes": 64 << 20})})
+    emit({"case": "eager 8 KiB bf16, 1 rank", **eager_case(1, 8192, 200)})
+    emit({"case": "eager 8 KiB bf16", **eager_case(a.world, 8192, 200)})
+    for w in (1, 2):
+        emit({"case": "graph 8 KiB bf16", **graph_case(w, 8192, 50, 20, small)})
+    for blocks in (1, 4):
+        cuda_engine.MAX_BLOCKS = blocks
+        emit({"case": f"graph 8 KiB bf16, {blocks} blocks/rank", **graph_case(a.world, 8192, 50, 20, small)})
+    cuda_engine.MAX_BLOCKS = 16
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The CUDA engine with loopback virtual ranks on one GPU: bitwise the CPU engine on every
+collective, size, dtype and op; CUDA graphs replayed many times; timeouts that name op, rank and peer."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+import purlin_sglang as ps  # noqa: E402
+from _torch_reference import (  # noqa: E402
+    COLLECTIVES, OPS, REDUCE_DTYPES, REDUCING, assert_bits_equal, case, case_call, case_expected, case_inputs,
+    make_input, poison_like,
+)
+from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+SEED = int.from_bytes(os.urandom(3), "little")  # fresh inputs every run; printed on failure
+CFG = {"staging_bytes": 1 << 20, "timeout_s": 8}
+INPLACE = ("all_reduce", "broadcast")
+
+
+def _prepare(comm, c: dict, inplace: bool):
+    xs = case_inputs(c, comm.world_size)
+    want, _ = case_expected(c, comm.world_size, comm.rank, xs)
+    x = xs[comm.rank].to(comm.device)
+    return c, x, (x if inplace else poison_like(want).to(comm.device)), xs[comm.rank], inplace
+
+
+def check(world: int, cases: list[dict], config=CFG, inplace: bool = True) -> None:
+    """Run ``cases`` on the CUDA engine and on the CPU engine; bitwise equal, out= and in place.
+
+    Every device buffer is allocated before the first collective and the ranks meet at a barrier:
+    a device allocation while another loopback rank's kernel runs would serialize the ranks'
+    streams (CUDA's implicit synchronization) and cost a timeout (docs/DESIGN.md)."""
+    barrier = threading.Barrier(world)
+
+    def fn(comm):
+        jobs = [_prepare(comm, c, False) for c in cases]
+        if inplace:
+            jobs += [_prepare(comm, c, True) for c in cases if c["coll"] in INPLACE]
+        barrier.wait()
+        for c, x, out, _, _ in jobs:
+            assert case_call(comm, c, x, out) is out
+        comm.synchronize()
+        res = []
+        for c, x, out, x0, inpl in jobs:
+            if not inpl:
+                assert_bits_equal(x.cpu(), x0, f"{c['coll']}: the input must be left unchanged")
+            res.append(out.cpu())
+        return res
+
+    got = ps.run_virtual(world, fn, device="cuda", config=config)
+    ref = ps.run_virtual(world, fn, device="cpu", config=config)
+    labels = [c["coll"] for c in cases] + [c["coll"] + " in place" for c in cases if inplace and c["coll"] in INPLACE]
+    for r in range(world):
+        for i, label in enumerate(labels):
+            assert_bits_equal(got[r][i], ref[r][i], f"seed {SEED} world {world} rank {r}: {label} cuda vs cpu")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_every_collective_every_world(world):
+    cases = [case(coll, torch.float32, rows=2, width=3, seed=SEED + i, root=world - 1, salt=world)
+             for i, coll in enumerate(COLLECTIVES)]
+    cases += [case(coll, torch.bfloat16, rows=3, width=5, seed=SEED + 50 + i, root=0, salt=1)
+              for i, coll in enumerate(COLLECTIVES)]
+    check(world, cases)
+
+
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_reductions_every_dtype_and_op(dtype, op):
+    cases = [case(coll, dtype, rows=3, width=37, op=op, seed=SEED + i, root=1) for i, coll in enumerate(REDUCING)]
+    check(4, cases, inplace=False)
+
+
+@pytest.mark.parametrize("rows,width", [(0, 4), (1, None), (1, 3), (3, 7)], ids=["0", "1elem", "6B", "odd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8, torch.complex64, torch.int64], ids=str)
+def test_edge_sizes(rows, width, dtype):
+    colls = COLLECTIVES if dtype in REDUCE_DTYPES else tuple(c for c in COLLECTIVES if c not in REDUCING)
+    check(3, [case(coll, dtype, rows=rows, width=width, seed=SEED + rows, root=2) for coll in colls])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_all_reduce_algorithms(world, algorithm):
+    cfg = {**CFG, "tuning": {"algorithm": algorithm}}
+    cases = [case("all_reduce", dt, rows=rows, width=width, op=op, seed=SEED + rows)
+             for dt, rows, width, op in [(torch.bfloat16, 1024, 1024, "sum"), (torch.float32, 33, 3, "max"),
+                                         (torch.float16, 1, 1, "min"), (torch.int32, 7, 129, "sum")]]
+    check(world, cases, config=cfg)
+
+
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_payloads_larger_than_staging(world, algorithm):
+    cfg = {"staging_bytes": 8192, "timeout_s": 8, "tuning": {"algorithm": algorithm}}
+    cases = [case(coll, torch.float32, rows=rows, width=257, seed=SEED + 3, root=1)
+             for coll, rows in [("all_reduce", 100), ("all_gather", 60), ("reduce_scatter", 33),
+                                ("all_to_all", 33), ("broadcast", 100), ("all_to_all_v", 9)]]
+    cases.append(case("all_reduce", torch.bfloat16, rows=200, width=257, op="max", seed=SEED + 4))
+    check(world, cases, config=cfg)
+
+
+def test_communicator_reports_engine_and_memory():
+    def fn(comm):
+        return comm.engine_name, comm.memory, comm.hbm_bytes, comm.device.type
+
+    res = ps.run_virtual(2, fn, device="cuda", config={"staging_bytes": 1 << 20})
+    assert all(r[0] == "cuda" and r[1] == "loopback" and r[2] >= (1 << 20) and r[3] == "cuda" for r in res)
+
+
+def _graph_calls(comm, bufs):
+    """A sequence of different collectives on static buffers."""
+    x16, x32, big, a2a = bufs["x16"], bufs["x32"], bufs["big"], bufs["a2a"]
+    comm.all_reduce(x16, out=bufs["o16"])
+    comm.all_gather(x32, out=bufs["ag"])
+    comm.reduce_scatter(big, "max", out=bufs["rs"])
+    comm.all_to_all(a2a, out=bufs["a2"])
+    comm.all_reduce(big, out=bufs["obig"])
+
+
+def _graph_expected(world, r, s):
+    from _torch_reference import all_gather, all_reduce, all_to_all, reduce_scatter
+
+    xs = {k: [make_input(s * 10 + j, p, shp, dt) for p in range(world)]
+          for j, (k, shp, dt) in enumerate(_GRAPH_INPUTS(world))}
+    return xs, {
+        "o16": all_reduce(xs["x16"], r), "ag": all_gather(xs["x32"], r), "rs": reduce_scatter(xs["big"], r, "max"),
+        "a2": all_to_all(xs["a2a"], r), "obig": all_reduce(xs["big"], r),
+    }
+
+
+def _GRAPH_INPUTS(world):
+    return [("x16", (4096,), torch.bfloat16), ("x32", (5, 3), torch.float32),
+            ("big", (world * 64, 1031), torch.float32), ("a2a", (world * 3, 7), torch.float16)]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_cuda_graphs_replay_concurrently(world):
+    replays, sets = (1000 if world == 4 else 300), 3
+    cfg = {"staging_bytes": 1 << 20, "timeout_s": 30, "tuning": {"oneshot_max_bytes": 16384}}
+    barrier = threading.Barrier(world)
+    one_capture = threading.Lock()  # captures one at a time (torch.cuda.graph synchronizes the device)
+
+    def fn(comm):
+        r, dev = comm.rank, comm.device
+        data = []
+        for s in range(sets):
+            xs, want = _graph_expected(world, r, SEED + s)
+            data.append(({k: v[r].to(dev) for k, v in xs.items()}, {k: v.to(dev) for k, v in want.items()}))
+        bufs = {k: v.clone() for k, v in data[0][0].items()}
+        bufs.update({k: torch.full_like(v, float("nan")) for k, v in data[0][1].items()})
+        _graph_calls(comm, bufs)  # warm-up: encodes every op table outside the capture
+        comm.synchronize()
+        barrier.wait()
+        g = torch.cuda.CUDAGraph()
+        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
+                                                           capture_error_mode="thread_local"):
+            _graph_calls(comm, bufs)
+        barrier.wait()
+        bad = 0
+        for i in range(replays):
+            inp, want = data[i % sets]
+            for k, v in inp.items():
+                bufs[k].copy_(v)
+            for k in want:
+                bufs[k].fill_(float("nan"))
+            g.replay()
+            if i % 10 == 0 or i >= replays - sets:
+                bad += sum(not torch.equal(bufs[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+        comm.synchronize()
+        return bad
+
+    assert ps.run_virtual(world, fn, device="cuda", config=cfg) == [0] * world, f"seed {SEED}"
+
+
+def test_timeout_names_op_rank_and_peer_then_a_new_world_works():
+    timeout = 2.0
+
+    def fn(comm):
+        x = torch.ones(1000, device=comm.device)
+        comm.all_reduce(x)
+        if comm.rank != 2:  # rank 2 skips the second call
+            comm.all_reduce(x)
+        comm.synchronize()
+
+    t0 = time.monotonic()
+    with pytest.raises(PurlinTimeoutError) as info:
+        ps.run_virtual(3, fn, device="cuda", config={"timeout_s": timeout, "staging_bytes": 1 << 20})
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert elapsed < timeout + 5, elapsed
+    assert msg.startswith("all_reduce: rank ") and "rank 2" in msg and info.value.missing == (2,), msg
+    assert info.value.rank in (0, 1)
+    res = ps.run_virtual(3, lambda c: c.all_reduce(torch.full((8,), float(c.rank), device=c.device)).cpu(),
+                         device="cuda", config={"timeout_s": timeout})
+    assert all(torch.equal(t, torch.full((8,), 3.0)) for t in res)
