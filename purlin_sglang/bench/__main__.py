@@ -1,0 +1,8 @@
+"""``python -m purlin_sglang.bench collectives ...`` (the same as ``purlin-sglang bench collectives``)."""
+
+import sys
+
+from ..cli import main
+
+if __name__ == "__main__":  # spawned baseline workers import this module too
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,299 @@
+"""``purlin-sglang bench collectives``: time every catalog collective against its baselines.
+
+For each collective, world size, mode and size: one call is checked against a plain torch
+reference (fresh random inputs), then the calls are timed (CUDA events on a GPU,
+``time.perf_counter`` on the CPU engine), after a warm-up, as the median / p10 / p90 of
+``--iters``. Rows give algbw and nccl-tests busbw. Baselines run in the same command where
+the machine allows them and are listed as skipped, with the reason, where it does not. Writes
+``results.json`` and plots to ``--out``, prints a table, and exits 1 if any result is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import metrics
+from .cases import DTYPES, make_case
+from .metrics import human_bytes, parse_size, percentile, size_sweep
+from .purlin_runner import Options, run_purlin
+
+H200_L2 = 60 << 20
+BASELINES = ("nccl", "symm_mem", "sglang", "gloo")
+
+
+def _collective_names() -> list[str]:
+    from ..collectives import CATALOG
+
+    return list(CATALOG)
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _sizes_arg(text: str) -> list[int]:
+    try:
+        return [parse_size(t) for t in _csv(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _worlds_arg(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --world {text!r}: use ints, e.g. 8 or 2,4,8") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"bad --world {text!r}: world sizes must be >= 1")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench collectives`` (defaults marked GPU/CPU depend on --device)."""
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="engine device (default: cuda if torch sees a GPU, else cpu)")
+    p.add_argument("--collectives", type=_csv, default=None, help="comma list (default: the whole catalog)")
+    p.add_argument("--world", type=_worlds_arg, default=None,
+                   help="comma list of world sizes (default: 8 on GPU loopback, 4 on CPU)")
+    p.add_argument("--sizes", type=_sizes_arg, default=None,
+                   help="comma list of sizes, e.g. 1K,64K,1M (overrides the sweep)")
+    p.add_argument("--min-bytes", type=_size_arg, default=None, help="sweep start (default 1K)")
+    p.add_argument("--max-bytes", type=_size_arg, default=None, help="sweep end (default 1G on GPU, 1M on CPU)")
+    p.add_argument("--factor", type=float, default=None, help="sweep step (default 2 on GPU, 4 on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="element type (reductions sum)")
+    p.add_argument("--modes", type=_csv, default=None,
+                   help="eager,graph (default: both on GPU, eager on CPU; graph needs CUDA)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
+    p.add_argument("--graph-calls", type=int, default=10, help="calls captured in one graph (graph mode)")
+    p.add_argument("--rotate", type=int, default=3,
+                   help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")
+    p.add_argument("--l2-bytes", type=_size_arg, default=H200_L2, help="L2 size (default 60M, H200)")
+    p.add_argument("--baselines", type=_csv, default=["auto"],
+                   help=f"comma list of {','.join(BASELINES)}, or auto (nccl,symm_mem,sglang on GPU; gloo on "
+                        "CPU) or none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="timeout_s of each communicator")
+    p.add_argument("--out", default=None, help="results directory (default ./bench-results/<timestamp>)")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the device-dependent defaults and validate; raises ValueError naming the option."""
+    gpu = torch.cuda.is_available()
+    if args.device is None:
+        args.device = "cuda" if gpu else "cpu"
+    cuda = args.device == "cuda"
+    if cuda and not gpu:
+        raise ValueError("bench collectives: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    names = _collective_names()
+    args.collectives = args.collectives or names
+    bad = [c for c in args.collectives if c not in names]
+    if bad:
+        raise ValueError(f"bench collectives: unknown collective(s) {bad}; choose from {names}")
+    args.world = args.world or [8 if cuda else 4]
+    if args.sizes is None:
+        args.sizes = size_sweep(args.min_bytes or 1 << 10,
+                                args.max_bytes or (1 << 30 if cuda else 1 << 20),
+                                args.factor or (2.0 if cuda else 4.0))
+    elif args.min_bytes or args.max_bytes or args.factor:
+        raise ValueError("bench collectives: give either --sizes or --min-bytes/--max-bytes/--factor, not both")
+    args.modes = args.modes or (["eager", "graph"] if cuda else ["eager"])
+    bad = [m for m in args.modes if m not in ("eager", "graph")]
+    if bad:
+        raise ValueError(f"bench collectives: unknown mode(s) {bad}; use eager, graph")
+    args.iters = args.iters if args.iters is not None else (20 if cuda else 10)
+    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
+    if args.iters < 1 or args.warmup < 0 or args.graph_calls < 1 or args.rotate < 1:
+        raise ValueError("bench collectives: need --iters >= 1, --warmup >= 0, --graph-calls >= 1, --rotate >= 1")
+    if args.baselines == ["auto"]:
+        args.baselines = ["nccl", "symm_mem", "sglang"] if cuda else ["gloo"]
+    elif args.baselines == ["none"]:
+        args.baselines = []
+    bad = [b for b in args.baselines if b not in BASELINES]
+    if bad:
+        raise ValueError(f"bench collectives: unknown baseline(s) {bad}; choose from {list(BASELINES)}, auto, none")
+    if args.out is None:
+        args.out = str(Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return args
+
+
+def environment(device: str) -> dict[str, Any]:
+    from .. import __version__, native
+    from ..cli import _dist_version
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "gpu": gpus[0] if gpus else None,
+        "gpu_count": len(gpus),
+        "cpu_count": os.cpu_count(),
+        "purlin_sglang": __version__,
+        "native_build_info": native.build_info(),
+        "sglang": _dist_version("sglang"),
+        "device": device,
+    }
+
+
+def make_row(impl: str, engine: str, case, mode: str, dtype: str, samples: list[float], ok: bool,
+             exact: bool, err: float, buffers: int, floor: dict | None = None) -> dict[str, Any]:
+    med = percentile(samples, 50)
+    row = {
+        "impl": impl, "engine": engine, "collective": case.collective, "world": case.world,
+        "bytes": case.nbytes, "requested_bytes": case.nominal, "in_bytes": case.in_numel * case.elsize,
+        "out_bytes": case.out_numel * case.elsize, "mode": mode, "dtype": dtype,
+        "time_us_median": med * 1e6, "time_us_p10": percentile(samples, 10) * 1e6,
+        "time_us_p90": percentile(samples, 90) * 1e6,
+        "algbw_GBps": metrics.algbw_gbps(case.nbytes, med),
+        "busbw_GBps": metrics.busbw_gbps(case.collective, case.world, case.nbytes, med),
+        "correct": ok, "exact": exact, "max_abs_err": err, "iters": len(samples), "buffers": buffers,
+    }
+    if floor is not None:
+        from .floor import floor_us
+
+        f = floor_us(floor, case.world, row["in_bytes"], row["out_bytes"])
+        row["floor_us"] = f
+        row["of_floor"] = f / row["time_us_median"] if med > 0 else None
+    return row
+
+
+def error_row(impl: str, case, mode: str, dtype: str, error: str) -> dict[str, Any]:
+    return {"impl": impl, "engine": None, "collective": case.collective, "world": case.world,
+            "bytes": case.nbytes, "requested_bytes": case.nominal, "mode": mode, "dtype": dtype,
+            "correct": False, "error": error}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import PurlinUnavailableError
+
+    try:
+        args = resolve(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    opts = Options(dtype=dtype, iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
+                   rotate=args.rotate, l2_bytes=args.l2_bytes, seed=args.seed, timeout_s=args.timeout)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(args.device)
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    floor = None
+    if device.type == "cuda":
+        from .floor import measure_floor
+
+        sys.stderr.write("measuring the physical floor (device copy bandwidth, latency proxy)\n")
+        floor = measure_floor(device, max(args.world), {"timeout_s": args.timeout})
+    sys.stderr.write(f"bench collectives: device {args.device}, worlds {args.world}, modes {args.modes}, "
+                     f"{len(args.sizes)} sizes {human_bytes(args.sizes[0])}..{human_bytes(args.sizes[-1])}, "
+                     f"{args.dtype}, iters {args.iters}, warm-up {args.warmup}\n")
+    for mode in args.modes:
+        if mode == "graph" and device.type != "cuda":
+            skipped.append({"impl": "purlin", "mode": "graph", "reason": "graph mode needs CUDA (device is cpu)"})
+            continue
+        for world in args.world:
+            for name in args.collectives:
+                cases = [make_case(name, s, world, dtype) for s in args.sizes]
+                try:
+                    per_rank = run_purlin(name, world, mode, cases, opts, device)
+                except PurlinUnavailableError as e:
+                    skipped.append({"impl": "purlin", "collective": name, "world": world, "mode": mode,
+                                    "reason": str(e)})
+                    continue
+                except Exception as e:  # noqa: BLE001 - reported per row, the run goes on
+                    msg = f"{type(e).__name__}: {e}"
+                    sys.stderr.write(f"  purlin {mode} world {world} {name}: FAILED {msg}\n")
+                    rows.extend(error_row("purlin", c, mode, args.dtype, msg) for c in cases)
+                    continue
+                engine = per_rank[0][0]
+                for ci, case in enumerate(cases):
+                    res = [pr[1][ci] for pr in per_rank]
+                    samples = [max(t) for t in zip(*(x["samples"] for x in res))]
+                    worst = max(x["err"] for x in res)
+                    rows.append(make_row("purlin", engine, case, mode, args.dtype, samples,
+                                         all(x["ok"] for x in res), all(x["exact"] for x in res), worst,
+                                         res[0]["buffers"], floor))
+    if args.baselines:
+        from .baselines import run_baselines
+
+        b_rows, b_skipped = run_baselines(args, opts, device)
+        rows.extend(b_rows)
+        skipped.extend(b_skipped)
+    result = {"environment": env, "settings": _settings(args), "floor": floor, "rows": rows, "skipped": skipped}
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    from .plot import plot_results
+
+    plots, why = plot_results(rows, out_dir)
+    print(format_table(rows, floor))
+    for s in skipped:
+        where = " ".join(f"{k}={s[k]}" for k in ("collective", "world", "mode") if k in s)
+        print(f"skipped: {s['impl']} {where}: {s['reason']}".replace("  ", " "))
+    if floor:
+        print(f"floor: copy {floor['copy_GBps']:.0f} GB/s ({floor['copy_measured']}); "
+              f"latency {floor['latency_us']:.2f} us ({floor['latency_measured']})")
+    print(f"wrote {out_dir / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else ""))
+    if why:
+        print(why)
+    bad = [r for r in rows if not r.get("correct")]
+    print(f"{len(rows) - len(bad)} of {len(rows)} results correct")
+    return 1 if bad else 0
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("device", "collectives", "world", "sizes", "dtype", "modes", "iters", "warmup", "graph_calls",
+            "rotate", "l2_bytes", "baselines", "seed", "timeout")
+    s = {k: getattr(args, k) for k in keys}
+    s["timing"] = ("per iteration, the slowest rank's time; CUDA events on each rank's stream (GPU) or "
+                   "time.perf_counter (CPU); graph mode: one replay of graph_calls calls / graph_calls")
+    s["reduce_op"] = "sum"
+    return s
+
+
+def _bw(v: float) -> str:
+    return f"{v:>9.3f}" if v < 10 else f"{v:>9.1f}"
+
+
+def format_table(rows: list[dict], floor: dict | None = None) -> str:
+    head = (f"{'collective':<17}{'impl':<20}{'mode':<6}{'world':>5}{'bytes':>8}{'median us':>11}{'p10':>10}"
+            f"{'p90':>10}{'algbw':>9}{'busbw':>9}{'correct':>8}")
+    if floor:
+        head += f"{'floor us':>10}{'of floor':>9}"
+    lines = [head]
+    for r in rows:
+        impl = f"purlin-{r['engine']}" if r["impl"] == "purlin" and r.get("engine") else r["impl"]
+        if "error" in r:
+            lines.append(f"{r['collective']:<17}{impl:<20}{r['mode']:<6}{r['world']:>5}"
+                         f"{human_bytes(r['bytes']):>8}  ERROR {r['error'][:80]}")
+            continue
+        line = (f"{r['collective']:<17}{impl:<20}{r['mode']:<6}{r['world']:>5}{human_bytes(r['bytes']):>8}"
+                f"{r['time_us_median']:>11.1f}{r['time_us_p10']:>10.1f}{r['time_us_p90']:>10.1f}"
+                f"{_bw(r['algbw_GBps'])}{_bw(r['busbw_GBps'])}{'yes' if r['correct'] else 'NO':>8}")
+        if floor and "floor_us" in r:
+            line += f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}"
+        lines.append(line)
+    lines.append("(times in us; algbw/busbw in GB/s, nccl-tests convention; median/p10/p90 over iterations, "
+                 "slowest rank per iteration)")
+    return "\n".join(lines)
+

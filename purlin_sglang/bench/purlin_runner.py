@@ -1,0 +1,145 @@
+"""Time purlin_sglang collectives on virtual ranks (``run_virtual``), eager or as CUDA graphs.
+
+One ``run_virtual`` world per (collective, world, mode) runs every size in turn, so a failure
+costs that collective's rows only. Per size, each rank: makes fresh random inputs, checks one
+call against the torch reference, warms up, then times ``iters`` calls (eager) or ``iters``
+replays of a graph holding ``graph_calls`` calls (graph). The time of an iteration is the
+slowest rank's; rows keep every rank's samples reduced that way.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import cases as _cases
+from .cases import Case, fresh_input, purlin_call
+from .metrics import human_bytes
+from .timing import sync, time_each
+
+
+@dataclass
+class Options:
+    dtype: torch.dtype
+    iters: int
+    warmup: int
+    graph_calls: int
+    rotate: int
+    l2_bytes: int
+    seed: int
+    timeout_s: float
+
+    def buffers(self, case: Case, sharing_l2: int) -> int:
+        """Input buffers to rotate through: ``rotate`` when the inputs sharing one L2 exceed it."""
+        return self.rotate if sharing_l2 * case.in_numel * case.elsize > self.l2_bytes else 1
+
+
+def input_seed(seed: int, case_index: int, rank: int, buf: int) -> int:
+    return (seed * 1_000_003 + case_index * 10_007 + rank * 101 + buf) % (1 << 62)
+
+
+def _rank_stream(comm) -> Any:
+    if comm.device.type != "cuda":
+        return None
+    s = getattr(comm, "stream", None)
+    return s if isinstance(s, torch.cuda.Stream) else torch.cuda.current_stream(comm.device)
+
+
+def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: Options,
+               device: torch.device) -> list[dict]:
+    """Per-rank results of every case (raises what ``run_virtual`` raises)."""
+    from ..api import run_virtual
+
+    board: dict[tuple[int, int], torch.Tensor] = {}
+    barrier = threading.Barrier(world)
+    check_lock = threading.Lock()  # one reference at a time: bounds the memory it needs
+
+    def fn(comm):
+        r, dev, stream = comm.rank, comm.device, _rank_stream(comm)
+        mine = []
+        for ci, case in enumerate(cases):
+            # on one device every rank's inputs share one L2
+            nbuf = opts.buffers(case, world if dev.type == "cuda" else 1)
+            xs = [fresh_input(case, opts.dtype, dev, input_seed(opts.seed, ci, r, j)) for j in range(nbuf)]
+            out = torch.empty(case.out_numel, dtype=opts.dtype, device=dev)
+            board[(ci, r)] = xs[0]
+            sync(stream)
+            barrier.wait()
+            got = purlin_call(comm, case, xs[0], out)
+            sync(stream)
+            with check_lock:
+                ok, exact, err = _cases.check(case, got, [board[(ci, p)] for p in range(world)], r)
+            barrier.wait()  # every rank has read every input: the board may go
+            del board[(ci, r)]
+
+            def step(i: int) -> None:
+                purlin_call(comm, case, xs[i % nbuf], out)
+
+            if mode == "eager":
+                for i in range(opts.warmup):
+                    step(i)
+                sync(stream)
+                barrier.wait()
+                samples = time_each(step, opts.iters, stream)
+            else:
+                samples = _graph_samples(comm, step, stream, barrier, opts)
+            mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf})
+            if r == 0:
+                sys.stderr.write(f"  purlin {mode:<5} world {world} {collective:<16} {human_bytes(case.nbytes):>6} "
+                                 f"{'ok' if ok else 'WRONG'}\n")
+                sys.stderr.flush()
+            del xs, out, got
+        return comm.engine_name, mine
+
+    first: list[BaseException] = []
+
+    def guarded(comm):
+        try:
+            return fn(comm)
+        except threading.BrokenBarrierError:
+            raise
+        except BaseException as e:
+            first.append(e)
+            barrier.abort()  # release the ranks waiting at a host barrier
+            raise
+
+    try:
+        return run_virtual(world, guarded, device=device, config={"timeout_s": opts.timeout_s})
+    except BaseException as e:
+        if first and first[0] is not e:
+            raise first[0] from None
+        raise
+
+
+def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
+    """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
+
+    CUDAGraph.capture_begin/end are used rather than the ``torch.cuda.graph`` context because
+    that context synchronizes the whole device and empties the cache on entry, which would
+    interfere with the other virtual ranks capturing at the same time; the capture is
+    thread-local for the same reason.
+    """
+    dev = comm.device
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.stream(side):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                for j in range(opts.graph_calls):
+                    step(j)
+            finally:
+                g.capture_end()
+    with torch.cuda.stream(side):
+        for _ in range(max(1, opts.warmup)):
+            g.replay()
+        side.synchronize()
+        barrier.wait()
+        samples = [t / opts.graph_calls for t in time_each(lambda i: g.replay(), opts.iters, side)]
+    del g
+    return samples

@@ -1,0 +1,38 @@
+"""Timers: CUDA events on a GPU stream, time.perf_counter on the host.
+
+``time_each(step, iters, stream)`` runs ``step(i)`` ``iters`` times and returns one duration
+in seconds per call. On CUDA each call is bracketed by events recorded on ``stream`` (the
+rank's own stream) and the host blocks only once at the end, so the timed loop issues work
+back to back as nccl-tests does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+def time_each(step: Callable[[int], Any], iters: int, stream: Any = None) -> list[float]:
+    if stream is None:
+        out = []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            step(i)
+            out.append(time.perf_counter() - t0)
+        return out
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record(stream)
+        step(i)
+        ends[i].record(stream)
+    stream.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+
+def sync(stream: Any) -> None:
+    """Wait for everything issued on ``stream`` (no-op on the host)."""
+    if stream is not None:
+        stream.synchronize()
