@@ -1,0 +1,189 @@
+"""The hook functions the plugin installs into SGLang (the list of targets is in plugin.py).
+
+Each one keeps SGLang's behaviour unchanged unless the group has a purlin communicator
+(``self.purlin_comm``, set only with ``--comm-backend purlin``) and the call is eligible;
+otherwise it calls the original. Nothing here imports sglang at module import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PURLIN_METHOD = "purlin"  # our name in GroupCoordinator's out-of-place all-reduce methods
+
+
+def _pc(group: Any):
+    pc = getattr(group, "purlin_comm", None)
+    return None if pc is None or pc.disabled else pc
+
+
+# -- server args ---------------------------------------------------------------------------------
+def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
+    """AFTER ServerArgs.add_cli_args: add --comm-backend and --purlin-config (once per parser)."""
+    from . import plugin
+
+    if "--comm-backend" in parser._option_string_actions:
+        return None
+    group = parser.add_argument_group("purlin_sglang (communicator backend)")
+    group.add_argument(
+        "--comm-backend", type=plugin.backend_arg, choices=plugin.BACKENDS, default="nccl",
+        help="Communicator for the parallel groups' collectives: 'nccl' (SGLang's own paths, unchanged) or "
+             "'purlin' (purlin_sglang above the routing table's size thresholds, NCCL otherwise).",
+    )
+    group.add_argument(
+        "--purlin-config", type=str, default=None, metavar="PATH",
+        help="YAML file for --comm-backend purlin: PurlinConfig keys and an optional 'routing:' table "
+             "(see configs/purlin.yaml).",
+    )
+    return None
+
+
+def from_cli_args(result: Any, cls: Any, args: argparse.Namespace) -> None:
+    """AFTER ServerArgs.from_cli_args: carry the choice on the record (an underscore attribute pickles)."""
+    from . import plugin
+
+    plugin.set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None))
+    return None
+
+
+# -- GroupCoordinator ----------------------------------------------------------------------------
+_OFF_WITH_PURLIN = ("use_custom_allreduce", "use_mscclpp", "use_torch_symm_mem_all_reduce")
+
+
+def coordinator_init(original, self, *args, **kwargs):
+    """AROUND GroupCoordinator.__init__: with purlin, turn the competing all-reduce paths off
+    (custom AR, mscclpp, torch symm-mem: they would run before purlin is asked) and attach
+    ``self.purlin_comm`` (collective over the group's CPU group). PyNccl stays: it is the fallback."""
+    from . import plugin
+
+    settings = plugin.active_settings()
+    if settings.backend != "purlin":
+        self.purlin_comm = None
+        return original(self, *args, **kwargs)
+    plugin.verify_hooks(plugin.WORKER_TARGETS)
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    for name in _OFF_WITH_PURLIN:
+        if name in inspect.signature(original).parameters:
+            bound.arguments[name] = False
+    self.purlin_comm = None
+    original(*bound.args, **bound.kwargs)
+    group_name = self.unique_name.split(":")[0]
+    config = settings.load_config()
+    if self.world_size > 1 and config.routing.covers(group_name):
+        from .communicator import PurlinGroupCommunicator
+
+        try:
+            self.purlin_comm = PurlinGroupCommunicator(self.cpu_group, self.device, config, name=self.unique_name)
+        except Exception as e:
+            raise plugin.PurlinPluginError(
+                f"--comm-backend purlin: cannot build the purlin communicator for group {self.unique_name} "
+                f"on {self.device}: {e}; run with --comm-backend nccl, or fix the cause"
+            ) from e
+
+
+def resolve_outplace_all_reduce_method(original, self, input_, *args, **kwargs):
+    """AROUND: answer ``"purlin"`` for eligible tensors, otherwise SGLang's own choice."""
+    pc = _pc(self)
+    if pc is not None and not pc._bypass and pc.should_all_reduce(input_):
+        return PURLIN_METHOD
+    return original(self, input_, *args, **kwargs)
+
+
+def all_reduce_out_place(original, self, input_, outplace_all_reduce_method):
+    """AROUND: run ``"purlin"`` (and eligible ``"auto"``) on purlin; any decline runs the original."""
+    pc = _pc(self)
+    if pc is not None and outplace_all_reduce_method in (PURLIN_METHOD, "auto"):
+        out = pc.all_reduce(input_) if not pc._bypass else None
+        if out is not None:
+            return out
+        with pc.bypass():
+            return original(self, input_, "auto")
+    return original(self, input_, outplace_all_reduce_method)
+
+
+def all_reduce_in_place(original, self, input_):
+    pc = _pc(self)
+    if pc is not None and not pc._bypass and pc.all_reduce(input_, out=input_) is not None:
+        return None
+    return original(self, input_)
+
+
+def can_use_flashinfer_allreduce(original, self, input_):
+    """AROUND: FlashInfer's allreduce-only path yields to purlin for tensors purlin takes."""
+    pc = _pc(self)
+    if pc is not None and pc.why_not("all_reduce", (input_,), input_.numel() * input_.element_size(),
+                                     reduce=True) is None:
+        return False
+    return original(self, input_)
+
+
+def all_gather_into_tensor(original, self, output, input):
+    pc = _pc(self)
+    if pc is not None and pc.all_gather(output, input) is not None:
+        return None
+    return original(self, output, input)
+
+
+def reduce_scatter_tensor(original, self, output, input):
+    pc = _pc(self)
+    if pc is not None and pc.reduce_scatter(output, input) is not None:
+        return output
+    return original(self, output, input)
+
+
+def all_to_all_single(original, self, output, input):
+    pc = _pc(self)
+    if pc is not None and pc.all_to_all(output, input) is not None:
+        return None
+    return original(self, output, input)
+
+
+def all_gatherv(original, self, input_, sizes=None, output=None):
+    """AROUND: one tensor, or a list whose every entry is eligible (then each on purlin, in order)."""
+    pc = _pc(self)
+    if pc is not None:
+        if isinstance(input_, torch.Tensor):
+            out = pc.all_gather_v(input_, sizes, output)
+            if out is not None:
+                return [out]
+        elif output is None and input_ and all(pc.why_not_all_gather_v(t, sizes) is None for t in input_):
+            return [pc.all_gather_v(t, sizes) for t in input_]
+    return original(self, input_, sizes=sizes, output=output)
+
+
+def reduce_scatterv(original, self, input_, output=None, sizes=None):
+    pc = _pc(self)
+    if pc is not None:
+        out = pc.reduce_scatter_v(input_, sizes, output)
+        if out is not None:
+            return out
+    return original(self, input_, output=output, sizes=sizes)
+
+
+@contextlib.contextmanager
+def graph_capture(original, self, *args, **kwargs):
+    """AROUND: SGLang's capture context, with the purlin communicator told it is capturing."""
+    pc = _pc(self)
+    with original(self, *args, **kwargs) as ctx:
+        if pc is None:
+            yield ctx
+        else:
+            with pc.capture():
+                yield ctx
+
+
+def destroy(self, *args, **kwargs):
+    """BEFORE GroupCoordinator.destroy: free purlin (and log its summary) while the CPU group exists."""
+    pc = getattr(self, "purlin_comm", None)
+    if pc is not None:
+        pc.destroy()
+        self.purlin_comm = None
+    return None

@@ -1,0 +1,210 @@
+"""The SGLang plugin: one entry point, a short named list of hooks, each verified.
+
+SGLang (0.5.23) calls :func:`register` from ``sglang.srt.plugins.load_plugins()`` in the
+launcher and in every scheduler process (entry-point group ``sglang.srt.plugins``, name
+``purlin_sglang``), then applies every registered hook with ``HookRegistry.apply_hooks()``.
+Both swallow exceptions (they are only logged), so the plugin checks that its hooks took
+effect where it matters and fails loudly there: when ``--comm-backend purlin`` is parsed (in
+the launcher) and when a GroupCoordinator is built with purlin on (in each worker). With the
+default ``--comm-backend nccl`` every hook calls straight through: SGLang is unchanged.
+
+``register()`` only records hooks (dotted paths and functions); it imports nothing of SGLang
+beyond the registry and is harmless to call twice. Importing this module needs no SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+from ..errors import PurlinError
+from . import hooks
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG = "0.5.23"
+BACKENDS = ("nccl", "purlin")
+
+_SA = "sglang.srt.server_args.ServerArgs"
+_GC = "sglang.srt.distributed.parallel_state.GroupCoordinator"
+
+# (target, hook type, hook). The only places where purlin touches SGLang.
+HOOKS: list[tuple[str, str, Callable]] = [
+    (f"{_SA}.add_cli_args", "AFTER", hooks.add_cli_args),
+    (f"{_SA}.from_cli_args", "AFTER", hooks.from_cli_args),
+    (f"{_GC}.__init__", "AROUND", hooks.coordinator_init),
+    (f"{_GC}._resolve_outplace_all_reduce_method", "AROUND", hooks.resolve_outplace_all_reduce_method),
+    (f"{_GC}._all_reduce_out_place", "AROUND", hooks.all_reduce_out_place),
+    (f"{_GC}._all_reduce_in_place", "AROUND", hooks.all_reduce_in_place),
+    (f"{_GC}._can_use_flashinfer_allreduce", "AROUND", hooks.can_use_flashinfer_allreduce),
+    (f"{_GC}._all_gather_into_tensor", "AROUND", hooks.all_gather_into_tensor),
+    (f"{_GC}._reduce_scatter_tensor", "AROUND", hooks.reduce_scatter_tensor),
+    (f"{_GC}.all_gatherv", "AROUND", hooks.all_gatherv),
+    (f"{_GC}.reduce_scatterv", "AROUND", hooks.reduce_scatterv),
+    (f"{_GC}._all_to_all_single", "AROUND", hooks.all_to_all_single),
+    (f"{_GC}.graph_capture", "AROUND", hooks.graph_capture),
+    (f"{_GC}.destroy", "BEFORE", hooks.destroy),
+]
+WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC))
+
+_registered = False
+
+
+class PurlinPluginError(PurlinError, RuntimeError):
+    """The SGLang plugin cannot do what was asked (hooks missing, communicator not buildable)."""
+
+
+# -- registration and verification ---------------------------------------------------------------
+def register() -> bool:
+    """Entry point (``sglang.srt.plugins``): record the hooks with SGLang's HookRegistry.
+
+    Cheap and idempotent. Returns False (doing nothing) when SGLang is not importable.
+    """
+    global _registered
+    if _registered:
+        return True
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:
+        return False
+    for target, kind, fn in HOOKS:
+        HookRegistry.register(target, fn, getattr(HookType, kind))
+    _registered = True
+    return True
+
+
+def missing_hooks(targets: Optional[Iterable[str]] = None) -> list[str]:
+    """The targets (with the reason) where our hook is not in effect now; [] if all are."""
+    wanted = None if targets is None else set(targets)
+    missing = []
+    for target, _kind, fn in HOOKS:
+        if wanted is not None and target not in wanted:
+            continue
+        why = _hook_state(target, fn)
+        if why:
+            missing.append(f"{target} ({why})")
+    return missing
+
+
+def verify_hooks(targets: Optional[Iterable[str]] = None) -> None:
+    """Raise :class:`PurlinPluginError` naming every target whose hook is not in effect."""
+    missing = missing_hooks(targets)
+    if missing:
+        raise PurlinPluginError(
+            f"purlin_sglang: SGLang hooks not in effect: {'; '.join(missing)}. This plugin supports "
+            f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()}); install that version, "
+            "or run with --comm-backend nccl"
+        )
+
+
+def _hook_state(target: str, fn: Callable) -> str:
+    owner_path, attr = target.rsplit(".", 1)
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError, ValueError) as e:
+        return f"cannot resolve {owner_path}: {type(e).__name__}: {e}"
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if raw is None:
+        return f"{owner_path} has no attribute {attr!r}"
+    cur = getattr(raw, "__func__", raw)  # classmethod / staticmethod
+    seen = 0
+    while cur is not None and seen < 32:
+        for cell in getattr(cur, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is fn:
+                    return ""
+            except ValueError:  # an empty cell
+                pass
+        cur, seen = getattr(cur, "__wrapped__", None), seen + 1
+    return "hook not applied"
+
+
+def _installed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "unknown"
+
+
+# -- the setting: on ServerArgs (pickled to workers) and per process -----------------------------
+@dataclass(frozen=True)
+class CommSettings:
+    backend: str = "nccl"
+    config_path: Optional[str] = None
+
+    def load_config(self):
+        from .routing import PluginConfig
+
+        return PluginConfig() if self.config_path is None else PluginConfig.from_yaml(self.config_path)
+
+
+_ATTR_BACKEND = "_purlin_comm_backend"
+_ATTR_CONFIG = "_purlin_config_path"
+_process_settings: Optional[CommSettings] = None
+
+
+def backend_arg(value: str) -> str:
+    """argparse type of --comm-backend: choosing purlin checks the hooks first (a clear start-up error)."""
+    if value == "purlin":
+        missing = missing_hooks()
+        if missing:
+            raise argparse.ArgumentTypeError(
+                f"purlin needs SGLang hooks that are not in effect: {'; '.join(missing)}; this plugin supports "
+                f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()})"
+            )
+    return value
+
+
+def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] = None) -> None:
+    """Record the choice on a ServerArgs (also for Engine users who build ServerArgs in code).
+
+    With ``purlin``, the hooks are verified and the config file is read now, so mistakes
+    surface at start-up in the launcher rather than in a worker.
+    """
+    if backend not in BACKENDS:
+        raise PurlinPluginError(f"--comm-backend: {backend!r} is not one of {list(BACKENDS)}")
+    if config_path is not None:
+        config_path = os.path.abspath(config_path)
+    if backend == "purlin":
+        verify_hooks()
+        CommSettings(backend, config_path).load_config()
+    elif config_path is not None:
+        logger.warning("--purlin-config %s is ignored: --comm-backend is %s", config_path, backend)
+    setattr(server_args, _ATTR_BACKEND, backend)
+    setattr(server_args, _ATTR_CONFIG, config_path)
+
+
+def settings_of(server_args: Any) -> CommSettings:
+    return CommSettings(getattr(server_args, _ATTR_BACKEND, "nccl"), getattr(server_args, _ATTR_CONFIG, None))
+
+
+def active_settings() -> CommSettings:
+    """This process's setting: :func:`activate`'s, else the published ServerArgs', else nccl."""
+    if _process_settings is not None:
+        return _process_settings
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return settings_of(get_server_args())
+    except Exception:  # not published (not a worker) or no SGLang: nothing to route
+        return CommSettings()
+
+
+@contextlib.contextmanager
+def activate(backend: str, config_path: Optional[str] = None):
+    """Use ``backend`` for GroupCoordinators built in this process inside the context (tests, tools)."""
+    global _process_settings
+    if backend not in BACKENDS:
+        raise PurlinPluginError(f"activate: {backend!r} is not one of {list(BACKENDS)}")
+    prev, _process_settings = _process_settings, CommSettings(backend, config_path)
+    try:
+        yield _process_settings
+    finally:
+        _process_settings = prev

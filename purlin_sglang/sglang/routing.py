@@ -1,0 +1,110 @@
+"""The plugin's configuration: a PurlinConfig plus the routing table (which ops, which sizes).
+
+``--purlin-config PATH`` names a YAML file with the keys of
+:class:`~purlin_sglang.PurlinConfig` (``configs/purlin.yaml`` is one) and, optionally, a
+``routing:`` section read here. Unknown keys are rejected with a message naming the key.
+
+The routing decision of every op must be the same on every rank of a group (otherwise one
+rank would enter purlin and its peers NCCL), so the size that is compared with the
+thresholds is the group-wide payload: the larger of the op's input and output in bytes,
+which every rank of the group agrees on (for the V forms: the sum over ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import PurlinConfig
+from ..errors import PurlinConfigError
+
+MiB = 1024 * 1024
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_v", "reduce_scatter_v", "all_to_all")
+
+
+class OpRoute(BaseModel):
+    """When one op goes to purlin: ``enabled`` and ``min_bytes <= payload <= max_bytes``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    min_bytes: int = Field(0, ge=0)
+    max_bytes: int = Field(64 * MiB, ge=0)
+
+    def admits(self, nbytes: int) -> bool:
+        return self.enabled and self.min_bytes <= nbytes <= self.max_bytes
+
+
+class RoutingTable(BaseModel):
+    """Per-op routes, and the SGLang groups that get a purlin communicator at all.
+
+    The byte limits are provisional (no crossover against NCCL has been measured yet:
+    the CUDA engine does not exist); they keep purlin to sizes its staging serves well.
+    ``groups``: the SGLang group names (``GroupCoordinator(group_name=...)``) that get a
+    purlin communicator, each with its own staging: by default the groups that carry the
+    model's collectives; ``None`` = every group of more than one rank (also ``world``, ``pp``, ...).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    all_reduce: OpRoute = OpRoute(max_bytes=8 * MiB)
+    all_gather: OpRoute = OpRoute()
+    reduce_scatter: OpRoute = OpRoute()
+    all_gather_v: OpRoute = OpRoute()
+    reduce_scatter_v: OpRoute = OpRoute()
+    all_to_all: OpRoute = OpRoute()
+    groups: Optional[tuple[str, ...]] = ("tp", "attention_tp", "moe_tp", "moe_ep")
+
+    def route(self, op: str) -> OpRoute:
+        return getattr(self, op)
+
+    def covers(self, group_name: str) -> bool:
+        return self.groups is None or group_name in self.groups
+
+
+class PluginConfig(BaseModel):
+    """What ``--purlin-config`` holds: the communicator's config and the routing table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    purlin: PurlinConfig = Field(default_factory=PurlinConfig)
+    routing: RoutingTable = Field(default_factory=RoutingTable)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "PluginConfig":
+        import yaml
+
+        p = Path(path)
+        source = f"--purlin-config {p}"
+        try:
+            data = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise PurlinConfigError(f"{source}: cannot read: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise PurlinConfigError(f"{source}: not valid YAML: {e}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "purlin plugin config") -> "PluginConfig":
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise PurlinConfigError(f"{source}: expected a mapping, got {type(data).__name__}")
+        data = dict(data)
+        routing = data.pop("routing", None) or {}
+        purlin = PurlinConfig.from_dict(data, source=source)
+        try:
+            table = RoutingTable.model_validate(routing)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                key = "routing." + ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    lines.append(f"{source}: unknown key '{key}' (known: {', '.join(RoutingTable.model_fields)}; "
+                                 f"per op: {', '.join(OpRoute.model_fields)})")
+                else:
+                    lines.append(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})")
+            raise PurlinConfigError("; ".join(lines)) from None
+        return cls(purlin=purlin, routing=table)
