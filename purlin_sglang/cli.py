@@ -100,10 +100,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     worlds = list(range(args.min_world, args.max_world + 1))
     names = list(CATALOG)
-    engine = "cpu (reference, virtual ranks)"
+    from .engines import cuda_engine_status
+
+    device, engine, tag = "cpu", "cpu (reference, virtual ranks)", "cpu"
     if torch.cuda.is_available():
-        print("note: a GPU is present, but the CUDA engine is not implemented yet; using the CPU engine",
-              file=sys.stderr)
+        why = cuda_engine_status()
+        if why:
+            print(f"note: a GPU is present, but {why}; using the CPU engine", file=sys.stderr)
+        else:
+            device, engine, tag = "cuda", "cuda (loopback virtual ranks on one GPU)", "cuda"
     cols = max(1, args.bytes // (4 * args.rows))
     total, done, rows_out, bad = len(worlds) * len(names), 0, [], 0
     _progress(0, total, "")
@@ -115,20 +120,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
             def fn(comm, name=name, cases=cases):
                 x, kw = cases[comm.rank]
+                x = x.to(comm.device)
                 out = _call(comm, name, x, kw)
                 times = []
                 for _ in range(args.iters):
                     t0 = time.perf_counter()
                     _call(comm, name, x, kw)
+                    comm.synchronize()
                     times.append(time.perf_counter() - t0)
-                return out, times
+                return out.cpu(), times
 
-            results = run_virtual(world, fn, config={"timeout_s": args.timeout})
+            results = run_virtual(world, fn, device=device, config={"timeout_s": args.timeout})
             ok = all(torch.equal(results[r][0], ref[r]) for r in range(world))
             bad += not ok
             nbytes = sum(c[0].numel() * c[0].element_size() for c in cases) // world
             med = statistics.median(results[0][1]) if args.iters else float("nan")
-            rows_out.append({"collective": name, "world": world, "bytes": nbytes, "engine": "cpu",
+            rows_out.append({"collective": name, "world": world, "bytes": nbytes, "engine": tag,
                              "correct": ok, "median_us": med * 1e6})
             done += 1
             _progress(done, total, f"{name} world={world}")
@@ -192,6 +199,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: Any) -> None:
+    """``bench <what>``: benchmarks (purlin_sglang/bench/); ``bench collectives`` for now."""
+    from .bench import collectives as bench_collectives
+
+    b = sub.add_parser("bench", help="benchmarks: 'bench collectives' times every collective against baselines")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    c = bsub.add_parser("collectives", help="time every catalog collective (and NCCL / symm-mem / SGLang baselines)",
+                        description=bench_collectives.__doc__.split("\n\n")[0])
+    bench_collectives.add_arguments(c)
+    c.set_defaults(fn=bench_collectives.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="purlin-sglang", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -208,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("info", help="print what this installation has")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_info)
+    _add_bench(sub)
     args = p.parse_args(argv)
     if getattr(args, "min_world", 1) < 1 or getattr(args, "max_world", 1) < getattr(args, "min_world", 1):
         p.error("need 1 <= --min-world <= --max-world")
