@@ -21,7 +21,7 @@ import torch
 
 from .cases import Case, check, fresh_input, make_case
 from .purlin_runner import Options, input_seed
-from .timing import time_each
+from .timing import time_each, time_graph_replays
 
 GPU_IMPLS = {"nccl": ("nccl",), "symm_mem": ("symm_mem_one_shot", "symm_mem_two_shot"),
              "sglang": ("sglang_custom_ar",)}
@@ -315,11 +315,6 @@ def _time_case(call, case: Case, ci: int, mode: str, rank: int, world: int, dev,
         with torch.cuda.graph(g, stream=side):
             for j in range(opts.graph_calls):
                 step(j)
-        with torch.cuda.stream(side):
-            for _ in range(max(1, opts.warmup)):
-                g.replay()
-            side.synchronize()
-            dist.barrier()
-            samples = [t / opts.graph_calls for t in time_each(lambda i: g.replay(), opts.iters, side)]
+        samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, dist.barrier)
         del g
     return {"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf}

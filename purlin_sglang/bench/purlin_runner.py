@@ -19,7 +19,7 @@ import torch
 from . import cases as _cases
 from .cases import Case, fresh_input, purlin_call
 from .metrics import human_bytes
-from .timing import sync, time_each
+from .timing import sync, time_each, time_graph_replays
 
 
 @dataclass
@@ -135,11 +135,6 @@ def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
                     step(j)
             finally:
                 g.capture_end()
-    with torch.cuda.stream(side):
-        for _ in range(max(1, opts.warmup)):
-            g.replay()
-        side.synchronize()
-        barrier.wait()
-        samples = [t / opts.graph_calls for t in time_each(lambda i: g.replay(), opts.iters, side)]
+    samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)
     del g
     return samples

@@ -36,3 +36,17 @@ def sync(stream: Any) -> None:
     """Wait for everything issued on ``stream`` (no-op on the host)."""
     if stream is not None:
         stream.synchronize()
+
+
+def time_graph_replays(graph: Any, side: Any, calls: int, warmup: int, iters: int,
+                       barrier: Callable[[], Any]) -> list[float]:
+    """Seconds per captured call: warm-up replays, a host ``barrier`` so every rank starts
+    together, then ``iters`` replays timed with events on ``side``, each divided by ``calls``."""
+    import torch
+
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            graph.replay()
+        side.synchronize()
+        barrier()
+        return [t / calls for t in time_each(lambda i: graph.replay(), iters, side)]
