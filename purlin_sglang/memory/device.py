@@ -30,3 +30,28 @@ class DeviceWorkspace(Protocol):
 
     def close(self) -> None:
         """Unmap peers and free this rank's memory. Safe to call twice."""
+
+
+class WorkspaceLifetime:
+    """What every provider's workspace shares: ``closed``, use as a context manager, a repr.
+
+    Subclasses set ``rank``, ``world``, ``device_index``, ``nbytes`` and ``_closed`` and define
+    ``close()``.
+    """
+
+    _closed: bool
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.nbytes} bytes"
+        return (f"{type(self).__name__}(rank={self.rank}, world={self.world}, "
+                f"device={self.device_index}, {state})")

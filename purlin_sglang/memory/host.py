@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import PurlinUnavailableError
-from .layout import MAGIC, VERSION, WORD, WorkspaceLayout
+from .layout import MAGIC, VERSION, WorkspaceLayout
 
 SHM_DIR = "/dev/shm"
 

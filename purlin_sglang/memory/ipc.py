@@ -35,6 +35,7 @@ import os
 from typing import Any, Optional
 
 from ..errors import PurlinClosedError, PurlinError, PurlinUnavailableError, PurlinValueError
+from .device import WorkspaceLifetime
 
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 _PIP = "pip install cuda-python"
@@ -185,7 +186,7 @@ def as_status(exc: BaseException) -> tuple:
     return ("error", "unavailable", f"{type(exc).__name__}: {exc}")
 
 
-class IpcWorkspace:
+class IpcWorkspace(WorkspaceLifetime):
     """This rank's workspace (a cudaMalloc) and every rank's pointer as mapped in this process.
 
     Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`. ``layout`` is whatever
@@ -296,10 +297,6 @@ class IpcWorkspace:
         """GPU memory this rank's workspace holds (0 once closed)."""
         return 0 if self._closed else self.nbytes
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Unmap the peers (cudaIpcCloseMemHandle) and free this rank's memory (cudaFree).
 
@@ -324,16 +321,6 @@ class IpcWorkspace:
                 self._own_ptr = 0
         if errors:
             raise PurlinUnavailableError(f"IpcWorkspace.close (rank {self.rank}): " + "; ".join(errors))
-
-    def __enter__(self) -> "IpcWorkspace":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.nbytes} bytes"
-        return f"IpcWorkspace(rank={self.rank}, world={self.world}, device={self.device_index}, {state})"
 
 
 _CUDART_UNLOADING = 4  # cudaErrorCudartUnloading: the process is exiting, the driver frees everything

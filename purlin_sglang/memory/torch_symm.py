@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import PurlinClosedError, PurlinValueError
 from .ipc import _Fail, _resolve_group, as_status, check_int, check_membership, gather_status, raise_failures
+from .device import WorkspaceLifetime
 
 _MODULE = "torch.distributed._symmetric_memory"
 
@@ -50,7 +51,7 @@ def _load_symm_mem():
     return symm_mem
 
 
-class TorchSymmWorkspace:
+class TorchSymmWorkspace(WorkspaceLifetime):
     """This rank's workspace as a torch symmetric-memory tensor, with every rank's pointer.
 
     Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`; ``layout`` is whatever
@@ -154,10 +155,6 @@ class TorchSymmWorkspace:
             raise PurlinClosedError("TorchSymmWorkspace.tensor: the workspace is closed; create a new one")
         return self._tensor
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Drop the references to the tensor and its rendezvous handle (PyTorch frees the memory once
         nothing else holds them). Local, no barrier; safe to call twice."""
@@ -165,16 +162,6 @@ class TorchSymmWorkspace:
         self._handle = None
         self._tensor = None
         self._ptrs = []
-
-    def __enter__(self) -> "TorchSymmWorkspace":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.nbytes} bytes"
-        return f"TorchSymmWorkspace(rank={self.rank}, world={self.world}, device={self.device_index}, {state})"
 
 
 def _enable_for_group(symm_mem, group) -> None:
