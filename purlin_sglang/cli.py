@@ -200,15 +200,22 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: Any) -> None:
-    """``bench <what>``: benchmarks (purlin_sglang/bench/); ``bench collectives`` for now."""
+    """``bench <what>``: benchmarks (purlin_sglang/bench/): ``bench collectives``, ``bench offline``."""
     from .bench import collectives as bench_collectives
 
-    b = sub.add_parser("bench", help="benchmarks: 'bench collectives' times every collective against baselines")
+    b = sub.add_parser("bench", help="benchmarks: 'bench collectives' times every collective against baselines; "
+                       "'bench offline' runs SGLang's offline throughput benchmark per --comm-backend")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     c = bsub.add_parser("collectives", help="time every catalog collective (and NCCL / symm-mem / SGLang baselines)",
                         description=bench_collectives.__doc__.split("\n\n")[0])
     bench_collectives.add_arguments(c)
     c.set_defaults(fn=bench_collectives.run)
+    from .bench import offline as bench_offline
+
+    o = bsub.add_parser("offline", help="SGLang's offline throughput benchmark with the purlin plugin; "
+                        "--compare nccl,purlin", description=bench_offline.__doc__.split("\n\n")[0])
+    bench_offline.add_arguments(o)
+    o.set_defaults(fn=bench_offline.run)
 
 
 def main(argv: list[str] | None = None) -> int:

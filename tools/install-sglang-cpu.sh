@@ -24,9 +24,11 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==2.14.1"
 
 # 2. What `import sglang.srt.distributed.parallel_state, sglang.srt.server_args,
-#    sglang.srt.plugins` and building a GroupCoordinator on gloo need, nothing more.
+#    sglang.srt.plugins` and building a GroupCoordinator on gloo need; plus, for the offline
+#    benchmark and example tests, transformers and tokenizers (at sglang's pins) and matplotlib
+#    (with python-dateutil kept below 3, as sglang asks).
 "${PIP[@]}" orjson psutil pybase64 requests pillow starlette msgspec pyzmq tqdm ipython aiohttp \
-    "apache-tvm-ffi==0.1.11"
+    "apache-tvm-ffi==0.1.11" "transformers==5.19.0" "tokenizers==0.23.2" matplotlib "python-dateutil<3"
 
 # 3. purlin_sglang (editable) with its own runtime and test dependencies and the build backend.
 "${PIP[@]}" numpy pydantic pyyaml cuda-python pytest hypothesis "scikit-build-core>=0.10"

@@ -1,4 +1,4 @@
-"""``python -m purlin_sglang.bench collectives ...`` (the same as ``purlin-sglang bench collectives``)."""
+"""``python -m purlin_sglang.bench collectives|offline ...`` (the same as ``purlin-sglang bench ...``)."""
 
 import sys
 
