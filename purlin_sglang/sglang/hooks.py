@@ -59,16 +59,18 @@ _OFF_WITH_PURLIN = ("use_custom_allreduce", "use_mscclpp", "use_torch_symm_mem_a
 
 
 def coordinator_init(original, self, *args, **kwargs):
-    """AROUND GroupCoordinator.__init__: with purlin, turn the competing all-reduce paths off
-    (custom AR, mscclpp, torch symm-mem: they would run before purlin is asked) and attach
-    ``self.purlin_comm`` (collective over the group's CPU group). PyNccl stays: it is the fallback."""
-    from . import plugin
+    """AROUND GroupCoordinator.__init__: with purlin, switch SGLang's competing all-reduce paths off
+    in this process (custom AR, mscclpp, torch symm-mem, FlashInfer fusion: see conflicts.py) and for
+    this group, and attach ``self.purlin_comm`` (collective over the group's CPU group, on the group's
+    device: the CUDA engine for CUDA groups). PyNccl stays: it is the fallback."""
+    from . import conflicts, plugin
 
     settings = plugin.active_settings()
     if settings.backend != "purlin":
         self.purlin_comm = None
         return original(self, *args, **kwargs)
     plugin.verify_hooks(plugin.WORKER_TARGETS)
+    conflicts.switch_off()
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     for name in _OFF_WITH_PURLIN:
         if name in inspect.signature(original).parameters:
@@ -90,9 +92,11 @@ def coordinator_init(original, self, *args, **kwargs):
 
 
 def resolve_outplace_all_reduce_method(original, self, input_, *args, **kwargs):
-    """AROUND: answer ``"purlin"`` for eligible tensors, otherwise SGLang's own choice."""
+    """AROUND: answer ``"purlin"`` for eligible tensors, otherwise SGLang's own choice.
+
+    A query: it counts nothing (the op that then runs counts its own fallback)."""
     pc = _pc(self)
-    if pc is not None and not pc._bypass and pc.should_all_reduce(input_):
+    if pc is not None and pc.would_all_reduce(input_):
         return PURLIN_METHOD
     return original(self, input_, *args, **kwargs)
 
@@ -119,8 +123,7 @@ def all_reduce_in_place(original, self, input_):
 def can_use_flashinfer_allreduce(original, self, input_):
     """AROUND: FlashInfer's allreduce-only path yields to purlin for tensors purlin takes."""
     pc = _pc(self)
-    if pc is not None and pc.why_not("all_reduce", (input_,), input_.numel() * input_.element_size(),
-                                     reduce=True) is None:
+    if pc is not None and pc.would_all_reduce(input_):
         return False
     return original(self, input_)
 
@@ -170,7 +173,10 @@ def reduce_scatterv(original, self, input_, output=None, sizes=None):
 
 @contextlib.contextmanager
 def graph_capture(original, self, *args, **kwargs):
-    """AROUND: SGLang's capture context, with the purlin communicator told it is capturing."""
+    """AROUND: SGLang's capture context (outer), then purlin's ``capture()`` (inner) for its body.
+
+    Inside, SGLang's CUDA-graph runner warms every shape up eagerly (served by purlin and
+    remembered), then captures; see PurlinGroupCommunicator for what is served while capturing."""
     pc = _pc(self)
     with original(self, *args, **kwargs) as ctx:
         if pc is None:
@@ -181,7 +187,8 @@ def graph_capture(original, self, *args, **kwargs):
 
 
 def destroy(self, *args, **kwargs):
-    """BEFORE GroupCoordinator.destroy: free purlin (and log its summary) while the CPU group exists."""
+    """BEFORE GroupCoordinator.destroy: free purlin's memory (and log its summary) while the CPU group
+    exists (on CUDA, after a bounded barrier on it: peers read this rank's memory)."""
     pc = getattr(self, "purlin_comm", None)
     if pc is not None:
         pc.destroy()

@@ -6,7 +6,9 @@ launcher and in every scheduler process (entry-point group ``sglang.srt.plugins`
 Both swallow exceptions (they are only logged), so the plugin checks that its hooks took
 effect where it matters and fails loudly there: when ``--comm-backend purlin`` is parsed (in
 the launcher) and when a GroupCoordinator is built with purlin on (in each worker). With the
-default ``--comm-backend nccl`` every hook calls straight through: SGLang is unchanged.
+default ``--comm-backend nccl`` every hook calls straight through: SGLang is unchanged. With
+purlin, each worker also switches SGLang's competing all-reduce paths off (conflicts.py: custom
+all-reduce, mscclpp, torch symm-mem, FlashInfer all-reduce fusion), verified by reading them back.
 
 ``register()`` only records hooks (dotted paths and functions); it imports nothing of SGLang
 beyond the registry and is harmless to call twice. Importing this module needs no SGLang.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from ..errors import PurlinError
-from . import hooks
+from . import conflicts, hooks
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,9 @@ HOOKS: list[tuple[str, str, Callable]] = [
     (f"{_GC}.graph_capture", "AROUND", hooks.graph_capture),
     (f"{_GC}.destroy", "BEFORE", hooks.destroy),
 ]
-WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC))
+# Not hooks but switched with purlin on (conflicts.py): the flags and config fields of SGLang's
+# competing all-reduce paths; checked to exist with the hooks.
+WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC)) + conflicts.TARGETS
 
 _registered = False
 
@@ -79,7 +83,8 @@ def register() -> bool:
 
 
 def missing_hooks(targets: Optional[Iterable[str]] = None) -> list[str]:
-    """The targets (with the reason) where our hook is not in effect now; [] if all are."""
+    """The targets (with the reason) where our hook is not in effect now, or that this SGLang lacks
+    (the flags and fields conflicts.py switches); [] if all are in effect."""
     wanted = None if targets is None else set(targets)
     missing = []
     for target, _kind, fn in HOOKS:
@@ -88,6 +93,8 @@ def missing_hooks(targets: Optional[Iterable[str]] = None) -> list[str]:
         why = _hook_state(target, fn)
         if why:
             missing.append(f"{target} ({why})")
+    if wanted is None or wanted & set(conflicts.TARGETS):
+        missing += conflicts.missing_targets()
     return missing
 
 

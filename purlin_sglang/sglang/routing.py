@@ -41,8 +41,9 @@ class OpRoute(BaseModel):
 class RoutingTable(BaseModel):
     """Per-op routes, and the SGLang groups that get a purlin communicator at all.
 
-    The byte limits are provisional (no crossover against NCCL has been measured yet:
-    the CUDA engine does not exist); they keep purlin to sizes its staging serves well.
+    The byte limits are the configured defaults, not measured crossovers: purlin's CUDA
+    engine has not been compared with NCCL (there has been no multi-GPU machine to do it
+    on); they keep purlin to sizes its staging serves well.
     ``groups``: the SGLang group names (``GroupCoordinator(group_name=...)``) that get a
     purlin communicator, each with its own staging: by default the groups that carry the
     model's collectives; ``None`` = every group of more than one rank (also ``world``, ``pp``, ...).

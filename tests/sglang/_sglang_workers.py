@@ -190,3 +190,198 @@ def communicator_alone(rank: int, world: int) -> dict:
     pc.destroy()
     assert pc.disabled and pc.all_reduce(x) is None
     return facts
+
+
+# -- SGLang's competing all-reduce paths (conflicts.py) ------------------------------------------
+CONFLICT_LEAVES = {"disable_custom_all_reduce": False, "enable_mscclpp": True, "enable_torch_symm_mem": True,
+                   "flashinfer_allreduce_fusion_backend": "trtllm"}
+CONFLICT_FLAGS = ("_ENABLE_CUSTOM_ALL_REDUCE", "_ENABLE_MSCCLPP", "_ENABLE_TORCH_SYMM_MEM_ALL_REDUCE",
+                  "_ENABLE_FLASHINFER_ALLREDUCE_ONLY")
+
+
+def publish_server_args_for_test(**fields):
+    """Publish a ServerArgs in this process as a scheduler does before it builds its groups, but
+    without the derived leaves (they import model configs, which need torchvision: not in the CPU
+    install). Underscore names are set on the record (as from_cli_args does for the plugin)."""
+    from unittest import mock
+
+    import sglang.srt.runtime_context as rc
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="dummy", **{k: v for k, v in fields.items() if not k.startswith("_")})
+    for k, v in fields.items():
+        if k.startswith("_"):
+            setattr(sa, k, v)
+    with mock.patch.object(rc, "_install_derived_leaves", lambda tops, server_args: None):
+        rc.get_context().set_server_args(sa)
+    return sa
+
+
+class _Lines:
+    """A logging handler that keeps the messages of the purlin_sglang loggers."""
+
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        outer = self
+
+        class H(logging.Handler):
+            def emit(self, record):
+                outer.lines.append((record.levelname, record.getMessage()))
+
+        self.handler = H(level=logging.INFO)
+        log = logging.getLogger("purlin_sglang")
+        log.addHandler(self.handler)
+        log.setLevel(logging.INFO)
+
+
+def conflicting_paths(rank: int, world: int, backend: str, config_path: str) -> dict:
+    """Every competing path on (leaves published, flags set as bootstrap._set_all_reduce_flags would);
+    then the worker's own groups are built, the published record deciding the backend (no activate())."""
+    import sglang.srt.distributed.parallel_state as ps
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_context, get_exec
+
+    load_plugins()
+    logs = _Lines()
+    publish_server_args_for_test(**CONFLICT_LEAVES, enable_symm_mem=True, _purlin_comm_backend=backend,
+                                 _purlin_config_path=config_path)
+    # what bootstrap._set_all_reduce_flags() sets from these leaves (that module is not importable here)
+    ps.set_custom_all_reduce(True)
+    ps.set_mscclpp(True)
+    ps.set_torch_symm_mem_all_reduce(True)
+    ps.set_flashinfer_allreduce_only(True)
+    g = _coordinator(world, rank)
+    after_first = list(logs.lines)
+    g2 = GroupCoordinator([list(range(world))], rank, "gloo", group_name="attention_tp", **GC_FLAGS)
+    comm = get_exec().comm
+    facts = {
+        "leaves": {k: getattr(comm, k) for k in CONFLICT_LEAVES},
+        "flags": {f: getattr(ps, f) for f in CONFLICT_FLAGS},
+        "purlin": [x.purlin_comm is not None for x in (g, g2)],
+        "ca": [x.ca_comm is not None for x in (g, g2)],
+        "after_first": after_first,
+        "lines": list(logs.lines),
+        "override_sources": [src for src, _ in get_context().overrides_log()],
+    }
+    if backend == "purlin":  # SGLang's own reader of the fusion setting (layers/flashinfer_comm_fusion.py)
+        from sglang.srt.layers.flashinfer_comm_fusion import resolve_flashinfer_allreduce_fusion_backend
+
+        facts["fusion_backend"] = resolve_flashinfer_allreduce_fusion_backend()
+    g.destroy()
+    g2.destroy()
+    return facts
+
+
+# -- CUDA-graph capture logic, on the CPU engine ---------------------------------------------------
+def capture_paths(rank: int, world: int, config_path: str) -> dict:
+    """graph_capture nesting and the warm-up rule. The CPU has no CUDA graphs, so two stand-ins:
+    ``pc.is_capturing`` (the stream-capture predicate) is a flag the test sets, and SGLang's own
+    ``GroupCoordinator.graph_capture`` (which needs CUDA) is replaced by a recording context; the
+    hook function around it is the plugin's real one."""
+    import contextlib
+
+    from sglang.srt.plugins import load_plugins
+
+    from purlin_sglang.sglang import communicator, hooks, plugin
+
+    load_plugins()
+    with plugin.activate("purlin", config_path):
+        g = _coordinator(world, rank)
+    pc = g.purlin_comm
+    capturing = {"on": False}
+    pc.is_capturing = lambda: capturing["on"]  # fake stream-capture predicate
+    events = []
+    real_capture = pc._comm.capture
+
+    @contextlib.contextmanager
+    def spy_capture():  # the purlin Communicator's capture(), recorded
+        with real_capture():
+            events.append("purlin enter")
+            try:
+                yield
+            finally:
+                events.append("purlin exit")
+
+    pc._comm.capture = spy_capture
+
+    @contextlib.contextmanager
+    def fake_sglang_graph_capture(self, *args, **kwargs):  # stands in for GroupCoordinator.graph_capture
+        events.append("sglang enter")
+        try:
+            yield "sglang-context"
+        finally:
+            events.append("sglang exit")
+
+    def sglang_all_reduce(t):  # GroupCoordinator.all_reduce's GPU branch, in order
+        method = g._resolve_outplace_all_reduce_method(t)
+        if method is not None:
+            return g._all_reduce_out_place(t, method)
+        t = t.clone()
+        g._all_reduce_in_place(t)
+        return t
+
+    def full(rows, cols=3):
+        return sum(_rows(r, rows, cols) for r in range(world))
+
+    x, y = _rows(rank, 2 * world), _rows(rank, 3 * world)  # y is never warmed up
+    sizes, other = [r + 1 for r in range(world)], [r + 2 for r in range(world)]
+    mine, big = _rows(rank, sizes[rank]), _rows(rank, sum(sizes))
+    checks = {}
+
+    def ops():  # each op once, on the shapes SGLang's runner would warm up and then capture
+        checks.setdefault("all_reduce", []).append(torch.equal(sglang_all_reduce(x), full(2 * world)))
+        ag = torch.empty((world * x.shape[0], 3))
+        g._all_gather_into_tensor(ag, x)
+        checks.setdefault("all_gather", []).append(torch.equal(ag, torch.cat([_rows(r, 2 * world) for r in range(world)])))
+        rs = torch.empty((2, 3))
+        g._reduce_scatter_tensor(rs, x)
+        checks.setdefault("reduce_scatter", []).append(torch.equal(rs, full(2 * world).chunk(world)[rank]))
+        a2a = torch.empty_like(x)
+        g._all_to_all_single(a2a, x)
+        want = torch.cat([_rows(p, 2 * world).chunk(world)[rank] for p in range(world)])
+        checks.setdefault("all_to_all", []).append(torch.equal(a2a, want))
+        gv = g.all_gatherv(mine, sizes=sizes)[0]
+        checks.setdefault("all_gather_v", []).append(torch.equal(gv, torch.cat([_rows(r, sizes[r]) for r in range(world)])))
+        rsv = g.reduce_scatterv(big, sizes=sizes)
+        start = sum(sizes[:rank])
+        checks.setdefault("reduce_scatter_v", []).append(torch.equal(rsv, full(sum(sizes))[start:start + sizes[rank]]))
+
+    with hooks.graph_capture(fake_sglang_graph_capture, g) as ctx:
+        events.append("body")
+        depth_inside = pc._capture_depth
+        for _ in range(2):  # SGLang's warm-up runs: eager, inside graph_capture
+            ops()
+        capturing["on"] = True  # torch.cuda.graph(...) begins
+        ops()
+        # not warmed up: these run SGLang's original path (gloo here); the rest are only asked
+        not_warm = {"all_reduce": torch.equal(sglang_all_reduce(y), full(3 * world))}
+        ag = torch.empty((world * y.shape[0], 3))
+        g._all_gather_into_tensor(ag, y)
+        not_warm["all_gather"] = torch.equal(ag, torch.cat([_rows(r, 3 * world) for r in range(world)]))
+        not_warm["resolve"] = g._resolve_outplace_all_reduce_method(y)
+        not_warm["reduce_scatter"] = pc.should_reduce_scatter(torch.empty((3, 3)), y)
+        not_warm["all_to_all"] = pc.should_all_to_all(torch.empty_like(y), y)
+        not_warm["all_gather_v"] = pc.why_not_all_gather_v(_rows(rank, other[rank]), other)
+        capturing["on"] = False
+    after = {"depth": pc._capture_depth, "ctx": ctx}
+    try:  # an error inside the body unwinds both contexts
+        with hooks.graph_capture(fake_sglang_graph_capture, g):
+            raise KeyError("inside")
+    except KeyError:
+        after["error_depth"] = pc._capture_depth
+    # least recently used keys are forgotten beyond WARM_KEYS (then such a call falls back: safe)
+    saved, communicator.WARM_KEYS = communicator.WARM_KEYS, 2
+    try:
+        for rows in (1, 2, 3):
+            pc.all_reduce(_rows(rank, rows))
+        after["warm_lru"] = [pc.is_warm(pc.all_reduce_key(_rows(rank, r))) for r in (1, 2, 3)]
+    finally:
+        communicator.WARM_KEYS = saved
+    facts = {"events": events, "depth_inside": depth_inside, "after": after, "checks": checks, "not_warm": not_warm,
+             "routed": dict(pc.routed), "captured": dict(pc.captured),
+             "fallbacks": {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()}, "summary": pc.summary()}
+    g.destroy()
+    return facts

@@ -34,7 +34,8 @@ def test_fallback_paths_run_the_original(tmp_path):
     facts = launch(W.fallback_paths, 2, cfg, timeout_s=180)
     for f in facts:
         assert f["routed"] == {"all_reduce": 1}, f  # the small tensor
-        assert f["fallbacks"] == {"all_reduce/size": 2, "all_reduce/dtype": 1, "all_reduce/not contiguous": 1,
+        # Once per op call that ran the original path; _resolve_outplace_all_reduce_method is a query.
+        assert f["fallbacks"] == {"all_reduce/size": 1, "all_reduce/dtype": 1, "all_reduce/not contiguous": 1,
                                   "all_gather/off": 1}, f
 
 
@@ -50,3 +51,55 @@ def test_shipped_purlin_config_builds_a_group():
     """configs/purlin.yaml (a PurlinConfig file) is a valid --purlin-config."""
     facts = launch(W.routed_collectives, 2, os.path.join(ROOT, "configs", "purlin.yaml"), timeout_s=180)
     assert facts[0]["routed"]["all_reduce"] == 4
+
+
+def test_competing_paths_switched_off_with_one_line_each(tmp_path):
+    """With purlin: custom AR, mscclpp, torch symm-mem and FlashInfer fusion are off in the published
+    config and in parallel_state's flags (read back), each said once per process; the group gets
+    purlin and no custom AR. --enable-symm-mem (which would take every all-reduce) gets a warning."""
+    facts = launch(W.conflicting_paths, 2, "purlin", _config(tmp_path, ""), timeout_s=180)
+    for f in facts:
+        assert f["leaves"] == {"disable_custom_all_reduce": True, "enable_mscclpp": False,
+                               "enable_torch_symm_mem": False, "flashinfer_allreduce_fusion_backend": None}, f
+        assert f["flags"] == dict.fromkeys(W.CONFLICT_FLAGS, False), f
+        assert f["fusion_backend"] is None, f
+        assert f["purlin"] == [True, True] and f["ca"] == [False, False], f
+        assert f["override_sources"] == ["purlin_sglang (--comm-backend purlin)"], f
+        info = [m for lvl, m in f["lines"] if lvl == "INFO" and "switched off" in m]
+        assert len(info) == 4, f["lines"]
+        for name in ("custom all-reduce", "mscclpp all-reduce", "torch symmetric-memory all-reduce",
+                     "FlashInfer all-reduce fusion"):
+            assert sum(m.startswith(f"purlin_sglang: {name} switched off") for m in info) == 1, (name, info)
+        warn = [m for lvl, m in f["lines"] if lvl == "WARNING"]
+        assert len(warn) == 1 and "--enable-symm-mem" in warn[0], f["lines"]
+        assert f["lines"] == f["after_first"], "the second group must not log again"
+
+
+def test_competing_paths_untouched_with_nccl(tmp_path):
+    facts = launch(W.conflicting_paths, 2, "nccl", None, timeout_s=180)
+    for f in facts:
+        assert f["leaves"] == W.CONFLICT_LEAVES, f
+        assert f["flags"] == dict.fromkeys(W.CONFLICT_FLAGS, True), f
+        assert f["purlin"] == [False, False] and f["override_sources"] == [] and f["lines"] == [], f
+
+
+def test_graph_capture_nesting_and_warm_up_rule(tmp_path):
+    facts = launch(W.capture_paths, 2, _config(tmp_path, ""), timeout_s=180)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v")
+    for f in facts:
+        # purlin's capture() is entered inside SGLang's graph_capture, and left before it, also on error
+        assert f["events"] == ["sglang enter", "purlin enter", "body", "purlin exit", "sglang exit",
+                               "sglang enter", "purlin enter", "purlin exit", "sglang exit"], f["events"]
+        assert f["depth_inside"] == 1 and f["after"]["depth"] == 0 and f["after"]["error_depth"] == 0, f
+        assert f["after"]["ctx"] == "sglang-context", f
+        # two warm-ups + one captured call per op, each correct; the captured one served by purlin
+        assert f["checks"] == {op: [True, True, True] for op in ops}, f["checks"]
+        assert f["captured"] == dict.fromkeys(ops, 1), f
+        assert f["routed"] == {**dict.fromkeys(ops, 3), "all_reduce": 3 + 3}, f  # + 3 for the LRU check
+        # not warmed up while capturing: the original path ran (correctly), or purlin declined
+        assert f["not_warm"] == {"all_reduce": True, "all_gather": True, "resolve": None, "reduce_scatter": False,
+                                 "all_to_all": False, "all_gather_v": "not warmed up"}, f["not_warm"]
+        assert f["fallbacks"] == {f"{op}/not warmed up": 1
+                                  for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}, f
+        assert f["after"]["warm_lru"] == [False, True, True], f
+        assert "captured in CUDA graphs: all_gather=1" in f["summary"], f["summary"]
