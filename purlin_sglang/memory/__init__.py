@@ -1,8 +1,8 @@
 """Symmetric memory providers: staging buffers and signal words for every rank.
 
-The GPU providers (``IpcWorkspace``, ``TorchSymmWorkspace``) and the ``DeviceWorkspace``
-protocol are imported on first use (module ``__getattr__``), so importing this package
-imports neither cuda-python nor torch's symmetric memory.
+The GPU providers (``IpcWorkspace``, ``TorchSymmWorkspace``, ``NvshmemWorkspace``) and the
+``DeviceWorkspace`` protocol are imported on first use (module ``__getattr__``), so importing
+this package imports neither cuda-python nor torch's symmetric memory, and loads no NVSHMEM.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ PROVIDERS = ("auto", "ipc", "nvshmem", "torch", "loopback", "host")
 DEVICE_PROVIDERS = {
     "ipc": "purlin_sglang.memory.ipc:IpcWorkspace",
     "torch": "purlin_sglang.memory.torch_symm:TorchSymmWorkspace",
+    "nvshmem": "purlin_sglang.memory.nvshmem:NvshmemWorkspace",
 }
 
 _LAZY = {
     "IpcWorkspace": "purlin_sglang.memory.ipc:IpcWorkspace",
     "TorchSymmWorkspace": "purlin_sglang.memory.torch_symm:TorchSymmWorkspace",
+    "NvshmemWorkspace": "purlin_sglang.memory.nvshmem:NvshmemWorkspace",
     "DeviceWorkspace": "purlin_sglang.memory.device:DeviceWorkspace",
 }
 
@@ -35,7 +37,7 @@ def _resolve(target: str) -> Any:
 
 
 def device_provider(name: str) -> type:
-    """The GPU provider class registered as ``name`` ("ipc", "torch"); imports nothing from CUDA.
+    """The GPU provider class registered as ``name`` ("ipc", "torch", "nvshmem"); loads nothing from CUDA.
 
     Raises :class:`~purlin_sglang.errors.PurlinUnavailableError` for a provider that is not here.
     """
@@ -64,5 +66,5 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "HostWorkspace", "WorkspaceLayout", "PROVIDERS", "DEVICE_PROVIDERS", "device_provider",
-    "IpcWorkspace", "TorchSymmWorkspace", "DeviceWorkspace",
+    "IpcWorkspace", "TorchSymmWorkspace", "NvshmemWorkspace", "DeviceWorkspace",
 ]

@@ -341,8 +341,8 @@ def test_lazy_exports_and_registry():
     assert memory.TorchSymmWorkspace is torch_symm.TorchSymmWorkspace
     assert memory.device_provider("ipc") is ipc.IpcWorkspace
     assert memory.device_provider("torch") is torch_symm.TorchSymmWorkspace
-    with pytest.raises(PurlinUnavailableError, match="available: ipc, torch"):
-        memory.device_provider("nvshmem")
+    with pytest.raises(PurlinUnavailableError, match="available: ipc, torch, nvshmem"):
+        memory.device_provider("no_such_provider")
     with pytest.raises(AttributeError):
         memory.NoSuchThing  # noqa: B018
 
