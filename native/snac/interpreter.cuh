@@ -14,10 +14,10 @@
 #include "atoms/reduce.cuh"
 #include "kernels/reduce_kernel.cuh"
 #include "snac/ops.cuh"
+#include "snac/packet.cuh"
 
 namespace purlin::snac {
 
-__device__ __forceinline__ char* own(const PurlinSnacParams& p) { return static_cast<char*>(p.bases[p.rank]); }
 __device__ __forceinline__ long long* word(char* base, long long off, const PurlinSnacParams& p, long long peer,
                                            long long item) {
   return reinterpret_cast<long long*>(base + off + (peer * p.max_items + item) * 8);
@@ -115,24 +115,6 @@ __device__ __forceinline__ void exec_reduce(const long long* o, const PurlinSnac
   }
 }
 
-// Thread 0: record the first timeout of this rank (device word, then the host-mapped record).
-__device__ inline void record_timeout(const PurlinSnacParams& p, long long op, int kind, long long peer,
-                                      long long item, long long target, long long seen) {
-  auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
-  if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return;
-  long long* h = p.host_error;
-  st_volatile(h + 1, op);
-  st_volatile(h + 2, kind);
-  st_volatile(h + 3, peer);
-  st_volatile(h + 4, item);
-  st_volatile(h + 5, p.rank);
-  st_volatile(h + 6, target);
-  st_volatile(h + 7, seen);
-  st_volatile(h + 8, p.tag);
-  __threadfence_system();
-  st_volatile(h, 1);
-}
-
 // Thread 0: poll *w until >= target (relaxed polls, then one acquire). False: timed out or broken.
 __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, long long target, long long op, int kind,
                                long long peer, long long item) {
@@ -227,6 +209,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   __shared__ int s_last;
   char* me = own(p);
   if (__syncthreads_or(lead && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) return;
+  const uint32_t epoch = packet_epoch(p);  // this call's packet epoch (read before the exit bumps it)
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;
     const long long w0 = o[0];
@@ -256,6 +239,12 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
       }
       case kDrainAll:
         if (__syncthreads_or(!exec_drain_all(o, p, i))) return;
+        break;
+      case kPacketPut: exec_packet_put(o, p, epoch); break;
+      case kPacketReduce:
+        if constexpr (!std::is_same_v<T, void>) {
+          if (__syncthreads_or(!exec_packet_reduce<T>(o, p, epoch, i))) return;
+        }
         break;
       case kBarrier:
         if (((w0 >> 24) & kFlagInPlaceOnly) && p.input != p.output) break;

@@ -14,6 +14,10 @@
 //   BARRIER  w1 arrival slot; flags bit 0: only when input == output (an in-place call)
 //   DRAINALL w1 items: every peer c acked all I notified it for items < w1 (sent[c][i]), polled
 //            by one thread per (c, i) in parallel
+//   PACKET_PUT     w1 src ref, w2 payload bytes, w3 m, w4.. m consumers: push flag-in-data packets
+//                  into each consumer's window (snac/packet.cuh)
+//   PACKET_REDUCE  sub = op, nsrc sources: w1 dst ref, w2 bytes, w3.. source refs in rank order;
+//                  a ref with buf WINDOW names the packets that rank pushed into my window
 // After the records: n_updates pairs (byte offset of a mirror in my workspace, delta).
 #pragma once
 #include <cstdint>
@@ -22,9 +26,11 @@
 
 namespace purlin::snac {
 
-enum Opcode : int { kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6 };
-enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3 };
-enum Buf : int { kInput = 0, kOutput = 1, kStage = 2 };
+enum Opcode : int {
+  kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6, kPacketPut = 7, kPacketReduce = 8
+};
+enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3, kPacketKind = 4 };
+enum Buf : int { kInput = 0, kOutput = 1, kStage = 2, kWindow = 3 };
 constexpr unsigned kOpWords = PURLIN_SNAC_OP_WORDS;
 constexpr long long kFlagInPlaceOnly = 1;
 
@@ -64,6 +70,26 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+__device__ __forceinline__ char* own(const PurlinSnacParams& p) { return static_cast<char*>(p.bases[p.rank]); }
+
+// Thread 0 of a block: record the first timeout of this rank (device word, then the host-mapped record).
+__device__ inline void record_timeout(const PurlinSnacParams& p, long long op, int kind, long long peer,
+                                      long long item, long long target, long long seen) {
+  auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
+  if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return;
+  long long* h = p.host_error;
+  st_volatile(h + 1, op);
+  st_volatile(h + 2, kind);
+  st_volatile(h + 3, peer);
+  st_volatile(h + 4, item);
+  st_volatile(h + 5, p.rank);
+  st_volatile(h + 6, target);
+  st_volatile(h + 7, seen);
+  st_volatile(h + 8, p.tag);
+  __threadfence_system();
+  st_volatile(h, 1);
 }
 
 }  // namespace purlin::snac

@@ -22,14 +22,14 @@ import numpy as np
 
 from ..errors import PurlinPlanError
 from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
-from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
+from ..snac import Buf, Copy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 
 OP_WORDS = 12
-COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL = 1, 2, 3, 4, 5, 6
-NOTIFY, ACK, DRAIN, BARRIER_KIND = 0, 1, 2, 3
-KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier"}
+COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL, PACKET_PUT, PACKET_REDUCE = 1, 2, 3, 4, 5, 6, 7, 8
+NOTIFY, ACK, DRAIN, BARRIER_KIND, PACKET_KIND = 0, 1, 2, 3, 4
+KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier", PACKET_KIND: "packet"}
 FLAG_INPLACE_ONLY = 1
-_BUF = {Buf.INPUT: 0, Buf.OUTPUT: 1, Buf.STAGE: 2}
+_BUF = {Buf.INPUT: 0, Buf.OUTPUT: 1, Buf.STAGE: 2, Buf.WINDOW: 3}
 _REDOP = {"sum": 1, "max": 2, "min": 3}
 MAX_REDUCE_SOURCES = 8
 
@@ -176,6 +176,26 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
                     index, o = notify_at[key][k - 1]
                     guard.done_before(index)
                     done_ordinal = max(done_ordinal, o + 1)
+        elif isinstance(op, PacketPut):
+            # Packet ops need no barriers: thread t handles packets t, t + threads, ... of every
+            # packet op, so my own input and output are touched by one thread per element.
+            # Consecutive puts of one source become one record: each payload word is loaded once.
+            if op.src.nbytes:
+                last = recs[-1] if recs else None
+                if (last is not None and last[0] == PACKET_PUT and last[1] == _ref(op.src)
+                        and last[2] == op.src.nbytes and last[3] < OP_WORDS - 4):
+                    last.append(op.peer)
+                    last[3] += 1
+                else:
+                    recs.append([PACKET_PUT, _ref(op.src), op.src.nbytes, 1, op.peer])
+        elif isinstance(op, PacketReduce):
+            if len(op.srcs) > MAX_REDUCE_SOURCES:
+                raise PurlinPlanError(
+                    f"{spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
+                    f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
+            if op.dst.nbytes:
+                w0 = PACKET_REDUCE | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
+                recs.append([w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs])
         elif isinstance(op, WaitDrainAll):
             if any(sent.get((c, i), 0) for c in op.peers for i in range(op.items)):
                 raise PurlinPlanError(f"{spec.name}: internal: drain-all after this call's own notifies")
@@ -183,7 +203,7 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
         else:  # pragma: no cover
             raise PurlinPlanError(f"{spec.name}: internal: unknown op {op!r}")
 
-    updates = []
+    updates = [dl.epoch_off, 1] if plan.algorithm == "packet" else []  # one packet round per call
     for base, counts in ((dl.sent_off, sent), (dl.expect_off, expect), (dl.acked_off, acked)):
         for (peer, item), n in sorted(counts.items()):
             updates += [dl.word(base, peer, item), n]

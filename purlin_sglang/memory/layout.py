@@ -93,6 +93,8 @@ class WorkspaceLayout:
         return self.staging_offset(self.world)
 
 
+PACKET_MAX_BYTES = 64 * 1024  # payload per producer of one packet call (latency regime, snac/packet.cuh)
+PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
 ERROR_WORDS = 8  # [code, op index, kind, peer, item, rank, target, seen]
 
@@ -112,7 +114,10 @@ class DeviceLayout:
       ``r`` writes or awaits, at the start of the next call (written back by the kernel's last block).
     * ``arrive[ARRIVE_SLOTS]``: monotonic per-op arrival counters ("last block signals", barriers).
     * ``exit``: the kernel's exit arrival counter; ``error``: non-zero once a wait timed out.
+    * ``epoch``: the count of packet calls of this rank (latency regime), bumped at kernel exit.
     * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
+    * ``window[2][world]``: packet receive windows (written by the producers, pushed), one per
+      epoch parity and producer, ``window_bytes`` each: ``PACKET_MAX_BYTES`` of payload as packets.
 
     Every offset here is in BYTES from the rank's workspace base; the kernel receives them in its
     parameter struct and computes none itself.
@@ -167,14 +172,31 @@ class DeviceLayout:
         return self.exit_off + 128  # its own 128-byte line
 
     @property
-    def signal_bytes(self) -> int:
+    def epoch_off(self) -> int:
         return self.error_off + 128
+
+    @property
+    def signal_bytes(self) -> int:
+        return self.epoch_off + 128
 
     @property
     def staging_off(self) -> int:
         return _align(self.signal_bytes, PAGE)
 
     @property
+    def window_bytes(self) -> int:
+        """Bytes of one packet window (one parity, one producer)."""
+        return PACKET_MAX_BYTES // PACKET_PAYLOAD * PACKET_BYTES
+
+    @property
+    def window_off(self) -> int:
+        return self.staging_off + _align(self.staging_bytes, PAGE)
+
+    def window(self, parity: int, producer: int) -> int:
+        """Byte offset of the window of ``producer``'s packets for epoch parity ``parity``."""
+        return self.window_off + (parity * self.world + producer) * self.window_bytes
+
+    @property
     def rank_bytes(self) -> int:
         """Bytes of one rank's workspace (a multiple of 4096)."""
-        return self.staging_off + _align(self.staging_bytes, PAGE)
+        return self.window_off + 2 * self.world * self.window_bytes

@@ -1,14 +1,17 @@
 """SNAC (Stage, Notify, And Consume): the one planner every engine executes."""
 
-from .lower import Copy, Op, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal, lower, part_range
+from .lower import (
+    Copy, Op, PacketPut, PacketReduce, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal, lower,
+    part_range,
+)
 from .plan import (
-    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, RankProgram, Ref, Stage, Step, Wait,
+    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
 )
 from .planner import choose_algorithm, consumers, make_plan, producers
 from .policy import ALIGN, TuningPolicy
 
 __all__ = [
-    "Copy", "Op", "Reduce", "Schedule", "Signal", "Sizes", "Span", "WaitDrainAll", "WaitSignal",
+    "Copy", "Op", "PacketPut", "PacketReduce", "Push", "Reduce", "Schedule", "Signal", "Sizes", "Span", "WaitDrainAll", "WaitSignal",
     "lower", "part_range", "Ack", "Buf", "ConsumeStep", "Drain", "DrainAll", "Item", "Notify", "Plan",
     "RankProgram", "Ref", "Stage", "Step", "Wait", "choose_algorithm", "consumers", "make_plan",
     "producers", "ALIGN", "TuningPolicy",

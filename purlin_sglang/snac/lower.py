@@ -18,9 +18,9 @@ from typing import Union
 
 from ..collectives import ReduceOp
 from ..errors import PurlinPlanError
-from .plan import Ack, Buf, ConsumeStep, Drain, DrainAll, Notify, Plan, Ref, Stage, Wait
+from .plan import Ack, Buf, ConsumeStep, Drain, DrainAll, Notify, Plan, Push, Ref, Stage, Wait
 from .planner import consumers, max_items, producers
-from .policy import ALIGN
+from .policy import ALIGN, PACKET_WINDOW_BYTES
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,25 @@ class WaitDrainAll:
     items: int
 
 
-Op = Union[Copy, Reduce, Signal, WaitSignal, WaitDrainAll]
+@dataclass(frozen=True)
+class PacketPut:
+    """Push ``src`` into ``peer``'s receive window as flag-in-data packets (the packet protocol)."""
+
+    peer: int
+    src: Span
+
+
+@dataclass(frozen=True)
+class PacketReduce:
+    """Reduce in rank order into ``dst``; a source with buf WINDOW (``Span(WINDOW, p, 0, n)``) is the
+    packets rank ``p`` pushed to me in this call, waited for packet by packet."""
+
+    op: ReduceOp
+    dst: Span
+    srcs: tuple[Span, ...]
+
+
+Op = Union[Copy, Reduce, Signal, WaitSignal, WaitDrainAll, PacketPut, PacketReduce]
 
 
 @dataclass(frozen=True)
@@ -135,6 +153,8 @@ class _Resolver:
         return off + lo, hi - lo
 
     def length(self, ref: Ref) -> int:
+        if ref.buf is Buf.WINDOW:
+            raise PurlinPlanError(f"internal: cannot size {ref} on rank {self.me}")
         if ref.buf is Buf.STAGE:
             return self.region(self.items[ref.index].like)[1]
         return self.region(ref)[1]
@@ -144,9 +164,45 @@ def _trips(length: int, chunk: int) -> int:
     return max(1, -(-length // chunk))
 
 
+def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
+    """The packet plan: one round, no chunks (the payload fits one receive window)."""
+    me, world = plan.rank, plan.world
+    send, recv = [0] * world, [0] * world
+    ops: list[Op] = []
+    for s in plan.program.body:
+        if isinstance(s, Push):
+            off, n = r.region(s.src)
+            if n > PACKET_WINDOW_BYTES:
+                raise PurlinPlanError(
+                    f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
+                    f"rank {me} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+            ops.append(PacketPut(s.peer, Span(Buf.INPUT, me, off, n)))
+            send[s.peer] += n
+        elif isinstance(s, ConsumeStep):
+            off, n = r.region(s.dst)
+            if n > PACKET_WINDOW_BYTES:
+                raise PurlinPlanError(
+                    f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
+                    f"rank {me} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+            srcs = []
+            for x in s.srcs:
+                if x.buf is Buf.WINDOW:
+                    srcs.append(Span(Buf.WINDOW, x.rank, 0, n))
+                    recv[x.rank] += n
+                else:
+                    xo, xn = r.region(x)
+                    srcs.append(Span(x.buf, me, xo, xn))
+            ops.append(PacketReduce(s.consume.reduce, Span(Buf.OUTPUT, me, off, n), tuple(srcs)))
+        else:  # pragma: no cover - the planner emits nothing else for packets
+            raise PurlinPlanError(f"{plan.spec.name}: internal: step {s} in a packet plan")
+    return Schedule(plan, sizes, tuple(ops), tuple(send), tuple(recv), 0)
+
+
 def lower(plan: Plan, sizes: Sizes) -> Schedule:
     """Resolve ``plan`` with this rank's ``sizes`` into a flat, ordered list of ops."""
     r = _Resolver(plan, sizes)
+    if plan.algorithm == "packet":
+        return _lower_packet(plan, r, sizes)
     me, chunk, slots = plan.rank, plan.chunk_bytes, plan.slots
     world = plan.world
     send = [0] * world

@@ -29,6 +29,7 @@ class Buf(str, enum.Enum):
     INPUT = "in"
     OUTPUT = "out"
     STAGE = "stage"
+    WINDOW = "window"  # packets a producer pushed into my receive window
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,17 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Push:
+    """Write ``src`` into ``peer``'s receive window as packets (the packet protocol's Stage + Notify)."""
+
+    src: Ref
+    peer: int
+
+    def __str__(self) -> str:
+        return f"push {self.src} -> window of r{self.peer} (packets)"
+
+
+@dataclass(frozen=True)
 class Notify:
     item: int
     peers: tuple[int, ...]
@@ -127,7 +139,7 @@ class Ack:
         return f"ack r{self.peer}.item{self.item}"
 
 
-Step = Union[DrainAll, Drain, Stage, Notify, Wait, ConsumeStep, Ack]
+Step = Union[DrainAll, Drain, Stage, Push, Notify, Wait, ConsumeStep, Ack]
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,7 @@ class Plan:
     world: int
     rank: int
     root: int | None
-    algorithm: str  # "oneshot" | "twoshot"
+    algorithm: str  # "oneshot" | "twoshot" | "packet"
     chunk_bytes: int
     slots: int
     n_items: int  # staging items per rank (the same on every rank)

@@ -7,6 +7,10 @@ copies or reduces them into its output. Two shapes of program come out:
 
 * ``oneshot`` (latency regime, and every copy collective): each consumer reads
   every producer's contribution directly, one step.
+* ``packet`` (latency regime of all_reduce-like reductions, engines with the packet
+  protocol): each producer pushes its input into every consumer's receive window as
+  flag-in-data packets; consumers reduce straight from their windows. No staging, no
+  signals, no acks: one step, twice the bytes.
 * ``twoshot`` (partitioned; reductions into a packed output that every rank
   receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
   reduces part ``q`` from everyone into a staging item, then every rank copies
@@ -23,9 +27,9 @@ from __future__ import annotations
 from ..collectives import COPY, CollectiveSpec
 from ..errors import PurlinPlanError
 from .plan import (
-    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, RankProgram, Ref, Stage, Step, Wait,
+    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
 )
-from .policy import ALIGN, TuningPolicy
+from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy
 
 
 def producers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
@@ -41,20 +45,26 @@ def max_items(world: int) -> int:
     return world + 1
 
 
-def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy) -> str:
-    """``twoshot`` applies to reductions of a packed payload into a packed output on every rank."""
-    twoshot_ok = (
+def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False) -> str:
+    """The regime of one call. ``packets``: the engine runs the packet protocol (else ``packet``
+    becomes ``oneshot``, the same result bitwise). Only reductions of a packed payload into a packed
+    output on every rank have a choice; everything else is ``oneshot``."""
+    reduce_all = (
         not spec.consume.is_copy
         and not spec.input.sliced
         and not spec.output.sliced
         and not spec.rooted
     )
-    if not twoshot_ok or policy.algorithm == "oneshot":
+    if not reduce_all or policy.algorithm == "oneshot":
         return "oneshot"
+    if policy.algorithm == "packet":
+        return "packet" if packets else "oneshot"
     if policy.algorithm == "twoshot":
         return "twoshot"
     if nbytes is None:  # size resolved later (e.g. on device): bounded traffic per rank
         return "twoshot"
+    if packets and nbytes <= min(policy.packet_max_bytes, PACKET_WINDOW_BYTES):
+        return "packet"
     return "oneshot" if nbytes <= policy.oneshot_max_bytes else "twoshot"
 
 
@@ -84,7 +94,13 @@ def make_plan(
             raise PurlinPlanError(f"{spec.name}: needs a root rank in [0, {world}), got {root!r}")
     else:
         root = None
-    algorithm = choose_algorithm(spec, nbytes, policy)
+    algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet")
+    if algorithm == "packet":
+        body = _packet(spec, world, rank)
+        program = RankProgram(rank, (), (), tuple(body))
+        notes = (f"flag-in-data packets pushed into each consumer's window; at most {PACKET_WINDOW_BYTES} "
+                 "payload bytes per call",)
+        return Plan(spec, world, rank, root, algorithm, PACKET_WINDOW_BYTES, 1, 0, program, notes)
     if algorithm == "twoshot":
         items, body, notes = _twoshot(spec, world, rank)
         n_items = max_items(world)
@@ -147,6 +163,15 @@ def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
         for p in remote:
             body.append(Ack(p, item_for_me, landing(p)))
     return items, body, ()
+
+
+def _packet(spec: CollectiveSpec, world: int, me: int) -> list[Step]:
+    """Push my input to every other rank's window, then reduce everyone's packets in rank order."""
+    mine = Ref(Buf.INPUT, me, None)
+    body: list[Step] = [Push(mine, (me + d) % world) for d in range(1, world)]  # rotated: start at me + 1
+    srcs = tuple(mine if p == me else Ref(Buf.WINDOW, p) for p in range(world))
+    body.append(ConsumeStep(spec.consume, Ref(Buf.OUTPUT, me, None), srcs))
+    return body
 
 
 def _twoshot(spec: CollectiveSpec, world: int, me: int):

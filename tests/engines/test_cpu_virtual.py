@@ -35,7 +35,7 @@ def test_reductions_every_dtype_and_op(dtype, op):
     run_cases(4, cases)
 
 
-@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "auto"])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "auto", "packet"])  # packet: oneshot on CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
 def test_all_reduce_algorithms(algorithm, dtype):
     cfg = {**SMALL, "tuning": {"algorithm": algorithm}}

@@ -22,10 +22,13 @@ from purlin_sglang.memory.layout import DeviceLayout
 _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
 _SHARED: dict = {}
 _LOCK = threading.Lock()
+_RAN: list = []  # the algorithm of every schedule the model ran
 
 
 class _Sim:
-    """One rank's interpreter model: int64 words of every rank, and staging bytes."""
+    """One rank's interpreter model: int64 words of every rank, staging bytes, packet windows."""
+
+    packets = True  # like the CUDA engine: the planner may choose the packet protocol
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.broken = rank, world, None
@@ -36,6 +39,7 @@ class _Sim:
                 _SHARED[id(ws)] = ([np.zeros(n, dtype=np.int64) for _ in range(world)],
                                    [torch.zeros(self.dl.staging_bytes, dtype=torch.uint8) for _ in range(world)])
             self.words, self.stage = _SHARED[id(ws)]
+            self.windows = _SHARED.setdefault(("windows", id(ws)), {})  # (owner, parity, producer) -> (epoch, bytes)
 
     def mark_broken(self, reason):
         self.broken = reason
@@ -64,6 +68,7 @@ class _Sim:
             time.sleep(0)
 
     def execute(self, sched, ctx):
+        _RAN.append(sched.plan.algorithm)
         enc = co.encode(sched, self.dl)
         me, W, dl = self.rank, self.words, self.dl
         mine = W[me]
@@ -97,6 +102,35 @@ class _Sim:
                 else:
                     self._wait(mine, self._w(me, dl.ack_off, peer, item),
                                start[self._w(me, dl.sent_off, peer, item)] + k)
+            elif code in (co.PACKET_PUT, co.PACKET_REDUCE):
+                e = int(start[dl.epoch_off // 8]) + 1
+                if code == co.PACKET_PUT:
+                    with _LOCK:
+                        for peer in o[4: 4 + o[3]]:
+                            self.windows[(peer, e & 1, me)] = (e, self._span(o[1], o[2], ctx).clone())
+                else:
+                    dt, n = ctx.dtype, o[2]
+                    acc_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+                    vals = []
+                    for src in o[3: 3 + nsrc]:
+                        u = src & ((1 << 64) - 1)
+                        if u >> 62 == 3:  # a window: wait for the producer's packets of epoch e
+                            key, t0 = (me, e & 1, (u >> 48) & 0x3FFF), time.monotonic()
+                            while self.windows.get(key, (0,))[0] != e:
+                                if time.monotonic() - t0 > 20:
+                                    raise TimeoutError(f"sim rank {me}: no packets {key} of epoch {e}")
+                                time.sleep(0)
+                            got = self.windows[key][1]
+                            assert got.numel() == n, (got.numel(), n)
+                            vals.append(got.view(dt).to(acc_dt))
+                        else:
+                            vals.append(self._span(src, n, ctx).view(dt).to(acc_dt))
+                    acc = vals[0].clone()
+                    for v in vals[1:]:
+                        op = _REDOPS[sub]
+                        acc = acc + v if op is ReduceOp.SUM else torch.maximum(acc, v) if op is ReduceOp.MAX \
+                            else torch.minimum(acc, v)
+                    self._span(o[1], n, ctx).view(dt).copy_(acc.to(dt))
             elif code == co.DRAINALL:
                 for peer in range(self.world):
                     for item in range(o[1]):
@@ -116,13 +150,33 @@ def sim(monkeypatch):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algorithm", ["auto", "packet", "oneshot", "twoshot"])
 def test_encoded_tables_compute_every_collective(sim, world, algorithm):
     cfg = {"staging_bytes": 4096, "timeout_s": 20, "tuning": {"algorithm": algorithm}}
     cases = [case(coll, torch.float32, rows=rows, width=37, seed=world, root=world - 1, salt=world)
              for coll in COLLECTIVES for rows in (1, 9)]
     cases.append(case("all_reduce", torch.bfloat16, rows=40, width=33, op="max", seed=2))
+    _RAN.clear()
     ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
+    if algorithm in ("auto", "packet"):  # small all_reduces take the packet protocol
+        assert "packet" in _RAN, set(_RAN)
+
+
+def test_packet_epochs_alternate_windows_over_many_calls(sim):
+    """Back-to-back packet all_reduces with new inputs each call: epochs advance, windows alternate."""
+    import torch
+
+    def fn(comm):
+        bad = 0
+        for i in range(12):
+            x = torch.full((7, 3), float(comm.rank + i), dtype=torch.bfloat16)
+            want = torch.full((7, 3), float(sum(range(comm.world_size)) + comm.world_size * i), dtype=torch.bfloat16)
+            bad += not torch.equal(comm.all_reduce(x), want)
+        return bad
+
+    _RAN.clear()
+    assert ps.run_virtual(3, fn, config={"timeout_s": 20}) == [0, 0, 0]
+    assert _RAN.count("packet") == 36, _RAN
 
 
 def test_barriers_guard_own_shard_and_in_place_only_where_needed():
@@ -145,3 +199,22 @@ def test_barriers_guard_own_shard_and_in_place_only_where_needed():
     assert barriers(ag) == []
     assert barriers(one) == [1]  # in place only: the reduce overwrites the input the stage reads
     assert 0 in barriers(two)  # the copy out of my own reduced shard waits for every block's reduce
+
+
+def test_packet_schedule_encodes_one_put_record_for_every_consumer_and_bumps_the_epoch():
+    from purlin_sglang.collectives import ALL_REDUCE
+    from purlin_sglang.snac import Sizes, lower, make_plan
+    from purlin_sglang.snac.policy import TuningPolicy
+
+    dl = DeviceLayout(8, 1 << 16)
+    sched = lower(make_plan(ALL_REDUCE, 8, 3, nbytes=8192, staging_bytes=1 << 16,
+                            policy=TuningPolicy(algorithm="packet")), Sizes((8190,), (8190,)))
+    enc = co.encode(sched, dl)
+    recs = [[int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]] for i in range(enc.n_ops)]
+    assert [r[0] & 0xFF for r in recs] == [co.PACKET_PUT, co.PACKET_REDUCE]
+    put, red = recs
+    assert put[2] == 8190 and put[3] == 7 and put[4:11] == [4, 5, 6, 7, 0, 1, 2]
+    assert (red[0] >> 16) & 0xFF == 8 and red[2] == 8190
+    assert [((r & ((1 << 64) - 1)) >> 62, (r >> 48) & 0x3FFF) for r in red[3:11]] == \
+        [(3, 0), (3, 1), (3, 2), (0, 3), (3, 4), (3, 5), (3, 6), (3, 7)]  # windows, my own input in rank order
+    assert enc.n_updates == 1 and list(enc.words[-2:]) == [dl.epoch_off, 1]

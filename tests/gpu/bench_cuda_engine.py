@@ -104,6 +104,12 @@ def main() -> None:
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
     emit({"case": "graph 8 KiB bf16", **graph_case(a.world, 8192, 50, 20, small)})
+    for kib in (1, 4, 8, 16, 32, 64, 128):  # the packet / one-shot crossover
+        for alg in ("packet", "oneshot"):
+            if alg == "packet" and kib > 64:
+                continue
+            cfg = {**small, "tuning": {"algorithm": alg}}
+            emit({"case": f"graph {kib} KiB bf16 {alg}", **graph_case(a.world, kib << 10, 50, 20, cfg)})
     emit({"case": "graph 64 MiB bf16", **graph_case(a.world, 64 << 20, 2, 5, {"staging_bytes": 64 << 20})})
     emit({"case": "eager 8 KiB bf16, 1 rank", **eager_case(1, 8192, 200)})
     emit({"case": "eager 8 KiB bf16", **eager_case(a.world, 8192, 200)})

@@ -99,6 +99,30 @@ def test_all_reduce_algorithms(world, algorithm):
     check(world, cases, config=cfg)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_packet_all_reduce_every_dtype_and_edge_sizes(world):
+    """The packet protocol (forced): a full 64 KiB window, partial last packets, every reduce dtype."""
+    cfg = {**CFG, "tuning": {"algorithm": "packet"}}
+    cases = [case("all_reduce", dt, rows=rows, width=width, op=op, seed=SEED + rows)
+             for dt, rows, width, op in [(torch.bfloat16, 8, 4096, "sum"), (torch.float32, 33, 3, "max"),
+                                         (torch.float16, 1, 1, "min"), (torch.int32, 7, 129, "sum"),
+                                         (torch.bfloat16, 3, 5, "max"), (torch.float64, 3, 5, "sum"),
+                                         (torch.int64, 5, 3, "min"), (torch.float16, 0, 8, "sum")]]
+    check(world, cases, config=cfg)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_packet_calls_interleaved_with_staged_calls(world):
+    """auto: small all_reduces take packets, the rest staging; windows and staging never collide."""
+    cases = []
+    for i in range(6):
+        cases += [case("all_reduce", torch.bfloat16, rows=16, width=64 + i, seed=SEED + i),            # packet
+                  case("all_gather", torch.float32, rows=5, width=7 + i, seed=SEED + 10 + i),         # oneshot
+                  case("all_reduce", torch.float32, rows=2, width=3 + i, op="max", seed=SEED + 20 + i),  # packet
+                  case("all_reduce", torch.bfloat16, rows=1024, width=160, seed=SEED + 30 + i)]       # twoshot
+    check(world, cases)
+
+
 @pytest.mark.parametrize("world", [3, 8])
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
 def test_payloads_larger_than_staging(world, algorithm):
@@ -186,8 +210,12 @@ def test_cuda_graphs_replay_concurrently(world):
 def test_timeout_names_op_rank_and_peer_then_a_new_world_works():
     timeout = 2.0
 
+    first = threading.Barrier(3)
+
     def fn(comm):
         x = torch.ones(1000, device=comm.device)
+        torch.cuda.current_stream().synchronize()
+        first.wait()
         comm.all_reduce(x)
         if comm.rank != 2:  # rank 2 skips the second call
             comm.all_reduce(x)
@@ -201,6 +229,13 @@ def test_timeout_names_op_rank_and_peer_then_a_new_world_works():
     assert elapsed < timeout + 5, elapsed
     assert msg.startswith("all_reduce: rank ") and "rank 2" in msg and info.value.missing == (2,), msg
     assert info.value.rank in (0, 1)
-    res = ps.run_virtual(3, lambda c: c.all_reduce(torch.full((8,), float(c.rank), device=c.device)).cpu(),
-                         device="cuda", config={"timeout_s": timeout})
+    again = threading.Barrier(3)
+
+    def fresh(c):  # every device buffer exists before any rank's kernel spins (a loopback rule: DESIGN.md)
+        x, y = torch.full((8,), float(c.rank), device=c.device), torch.empty(8, device=c.device)
+        torch.cuda.current_stream().synchronize()
+        again.wait()
+        return c.all_reduce(x, out=y).cpu()
+
+    res = ps.run_virtual(3, fresh, device="cuda", config={"timeout_s": timeout})
     assert all(torch.equal(t, torch.full((8,), 3.0)) for t in res)

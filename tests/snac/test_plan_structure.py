@@ -358,3 +358,43 @@ def test_drain_all_covers_every_peer_and_item():
                     assert ops[0] == drains[0]
                 else:
                     assert drains == []
+
+
+# -- the packet protocol (latency regime) -------------------------------------------------------
+def test_packet_plan_pushes_to_every_peer_rotated_and_reduces_in_rank_order():
+    from purlin_sglang.snac import Buf, PacketPut, PacketReduce, Push
+
+    plan = make_plan(ALL_REDUCE, 4, 1, nbytes=4096, staging_bytes=STAGING, policy=TuningPolicy(algorithm="packet"))
+    assert plan.algorithm == "packet" and plan.program.items == () and plan.program.prologue == ()
+    pushes = [s for s in plan.program.body if isinstance(s, Push)]
+    assert [s.peer for s in pushes] == [2, 3, 0]
+    (consume,) = [s for s in plan.program.body if isinstance(s, ConsumeStep)]
+    assert [(r.buf, r.rank) for r in consume.srcs] == [(Buf.WINDOW, 0), (Buf.INPUT, 1), (Buf.WINDOW, 2), (Buf.WINDOW, 3)]
+    sched = lower(plan, Sizes((4094,), (4094,)))
+    assert [type(op) for op in sched.ops] == [PacketPut] * 3 + [PacketReduce]
+    assert all(op.src.nbytes == 4094 for op in sched.ops[:3]) and sched.ops[3].dst.nbytes == 4094
+    assert sched.send_bytes == (4094, 0, 4094, 4094) and sched.recv_bytes == (4094, 0, 4094, 4094)
+    assert "push in[r1] -> window of r2 (packets)" in plan.describe()
+
+
+def test_packet_plan_refuses_payloads_larger_than_a_window():
+    plan = make_plan(ALL_REDUCE, 2, 0, nbytes=None, staging_bytes=STAGING, policy=TuningPolicy(algorithm="packet"))
+    lower(plan, Sizes((65536,), (65536,)))
+    with pytest.raises(PurlinPlanError, match="at most 65536 bytes per call"):
+        lower(plan, Sizes((65552,), (65552,)))
+
+
+def test_packet_choice_needs_an_engine_with_packets_and_a_small_payload():
+    from purlin_sglang.collectives import ALL_GATHER
+
+    auto = TuningPolicy()
+    assert choose_algorithm(ALL_REDUCE, 8192, auto, packets=True) == "packet"
+    assert choose_algorithm(ALL_REDUCE, 8192, auto) == "oneshot"  # e.g. the CPU engine
+    assert choose_algorithm(ALL_REDUCE, auto.packet_max_bytes + 16, auto, packets=True) == "oneshot"
+    assert choose_algorithm(ALL_REDUCE, None, auto, packets=True) == "twoshot"
+    assert choose_algorithm(ALL_GATHER, 8192, auto, packets=True) == "oneshot"
+    assert choose_algorithm(ALL_REDUCE, 8192, TuningPolicy(packet_max_bytes=0), packets=True) == "oneshot"
+    assert choose_algorithm(ALL_REDUCE, 1 << 20, TuningPolicy(algorithm="packet"), packets=True) == "packet"
+    assert choose_algorithm(ALL_REDUCE, 8192, TuningPolicy(algorithm="packet")) == "oneshot"
+    with pytest.raises(Exception, match="packet_max_bytes"):
+        TuningPolicy(packet_max_bytes=1 << 20)

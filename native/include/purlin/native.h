@@ -11,7 +11,7 @@
 
 // Always present.
 PURLIN_API int purlin_native_abi_version(void);
-// JSON: {"abi": 3, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
+// JSON: {"abi": 4, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
 PURLIN_API const char* purlin_native_build_info(void);
 
 // Present only when the module was built with CUDA.
@@ -54,7 +54,7 @@ enum purlin_reduce_op {
 PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, size_t nbytes, int dtype, int op,
                                   void* stream, int max_blocks);
 
-// ---- SNAC interpreter (ABI 3) ---------------------------------------------------------------
+// ---- SNAC interpreter (ABI 4: packet fields) ---------------------------------------------------------------
 // One launch runs one rank's lowered schedule (purlin_sglang/snac/lower.py), encoded ONCE by the
 // host (purlin_sglang/engines/cuda_ops.py) into a device op table of fixed 12-word int64 records.
 // Every offset comes from the host's DeviceLayout (purlin_sglang/memory/layout.py) through this
@@ -78,6 +78,8 @@ typedef struct PurlinSnacParams {
   long long* host_error;               // host-mapped pinned record (16 words), written on a timeout:
                                        // [1, op index, kind, peer, item, rank, target, seen, tag]
   long long tag;                       // the host's name for this schedule, echoed in the record
+  long long epoch_off;                 // byte offset of my packet-call counter (snac/packet.cuh)
+  long long window_off, window_bytes;  // packet receive windows: [2 parities][world producers] x window_bytes
 } PurlinSnacParams;
 // Enqueue one rank's schedule on `stream` (asynchronous; safe under CUDA graph capture: one launch,
 // no host sync, no allocation). Returns a cudaError_t (cudaErrorInvalidValue for bad params).
