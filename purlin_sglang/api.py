@@ -18,7 +18,7 @@ import torch
 
 from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
-    REDUCE_SCATTER_V, CollectiveSpec, parse_op,
+    REDUCE_SCATTER_V, CollectiveSpec, ReduceOp, parse_op,
 )
 from .config import PurlinConfig
 from .engines import select_engine
@@ -74,7 +74,10 @@ class Communicator:
     config. Close it with :meth:`close` (or use it as a context manager).
     """
 
+    CALL_CACHE_SIZE = 512  # validated call shapes kept per communicator (the oldest is dropped first)
+
     def __init__(self, group: Any = None, device: Any = "cpu", config: Any = None):
+        self._closed = True  # until _init finishes (close() and __del__ stay safe)
         self.config = _coerce_config(config)
         self.device = torch.device(device)
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=False)
@@ -89,6 +92,30 @@ class Communicator:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise PurlinValueError("Communicator: this process is not a member of the given group")
+        if engine.name != "cuda":
+            self._init(self._host_workspace(group, rank, world), rank, world, engine.name, group)
+            return
+        ws = self._device_workspace(group, rank, world)
+        try:  # the engine is built locally; every rank learns whether every rank managed
+            self._init(ws, rank, world, engine.name, group)
+            status = None
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
+            status, error = f"{type(e).__name__}: {e}", e
+        statuses: list = [None] * world
+        dist.all_gather_object(statuses, status, group=group)
+        failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
+        if failed:
+            self.close()
+            ws.close()
+            if status is not None:
+                raise error
+            raise PurlinUnavailableError("Communicator: the CUDA engine failed to start on "
+                                         + "; ".join(f"rank {r}: {m}" for r, m in failed))
+
+    def _host_workspace(self, group: Any, rank: int, world: int) -> HostWorkspace:
+        """Rank 0 creates a /dev/shm workspace, every other rank maps it (collective over ``group``)."""
+        import torch.distributed as dist
+
         layout = WorkspaceLayout(world, self.config.staging_bytes)
         src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         # Every failure below is reported to every rank (an all-gather that is also the barrier),
@@ -125,7 +152,32 @@ class Communicator:
                 ws.close()
             kind = PurlinConfigError if any(p[0] == "config" for _, p in failed) else PurlinUnavailableError
             raise kind("Communicator: " + "; ".join(f"rank {r}: {p[1]}" for r, p in failed))
-        self._init(ws, rank, world, engine.name, group)
+        return ws
+
+    def _device_workspace(self, group: Any, rank: int, world: int):
+        """Every rank allocates its GPU workspace with the ``memory`` provider and maps its peers'.
+
+        Collective over ``group``. The ranks first agree on the config that shapes the workspace
+        (an all-gather that is also the barrier), so a mismatch is a PurlinConfigError on every rank.
+        """
+        import torch.distributed as dist
+
+        from .memory import device_provider
+        from .memory.layout import DeviceLayout
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        mine = (self.config.staging_bytes, self.memory)
+        seen: list = [None] * world
+        dist.all_gather_object(seen, mine, group=group)
+        odd = [r for r, v in enumerate(seen) if v != seen[0]]
+        if odd:
+            raise PurlinConfigError(
+                "Communicator: ranks disagree on (staging_bytes, memory): "
+                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen)) + "; every rank needs the same config")
+        dlayout = DeviceLayout(world, self.config.staging_bytes)
+        provider = device_provider(self.memory)
+        return provider.create(dlayout.rank_bytes, group, index, rank, world, layout=dlayout)
 
     @classmethod
     def _virtual(cls, vworld: _VirtualWorld, rank: int) -> "Communicator":
@@ -144,13 +196,18 @@ class Communicator:
         if engine == "cuda":
             from .engines.cuda import CudaEngine
 
-            self._engine = CudaEngine(ws, rank, world, self.config.timeout_s)
+            # Ranks of a group are processes (one GPU each, or time-sliced on one GPU): only this
+            # rank's own grid must be co-resident. Virtual ranks share one GPU at once.
+            on_gpu = 1 if group is not None else world
+            self._engine = CudaEngine(ws, rank, world, self.config.timeout_s, ranks_on_gpu=on_gpu)
         else:
             self._engine = CpuEngine(ws, rank, world, self.config.timeout_s)
+        self._engine_packets = bool(getattr(self._engine, "packets", False))  # the planner may choose "packet"
         self._seq = 0
         self._closed = False
         self._plans: dict[tuple, Plan] = {}
         self._schedules: dict[tuple, Schedule] = {}
+        self._calls: dict[tuple, _Call] = {}  # the call cache: see _run
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -175,19 +232,19 @@ class Communicator:
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: Any = "sum", *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce ``x`` over all ranks; every rank receives the result. ``out`` may be ``x`` (in place)."""
-        return self.run(ALL_REDUCE, x, out=out, op=op)
+        return self._run(ALL_REDUCE, x, out, op, None, None, None)
 
     def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0 in rank order (all_gather_into_tensor)."""
-        return self.run(ALL_GATHER, x, out=out)
+        return self._run(ALL_GATHER, x, out, None, None, None, None)
 
     def reduce_scatter(self, x: torch.Tensor, op: Any = "sum", *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce ``x`` over ranks; rank r receives slice r of dim 0 (reduce_scatter_tensor)."""
-        return self.run(REDUCE_SCATTER, x, out=out, op=op)
+        return self._run(REDUCE_SCATTER, x, out, op, None, None, None)
 
     def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Slice r of ``x`` goes to rank r; slice p of the output came from rank p (equal splits)."""
-        return self.run(ALL_TO_ALL, x, out=out)
+        return self._run(ALL_TO_ALL, x, out, None, None, None, None)
 
     def all_gather_v(self, x: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather with per-rank row counts ``sizes`` (``sizes[rank] == x.shape[0]``)."""
@@ -196,21 +253,21 @@ class Communicator:
             raise PurlinValueError(
                 f"all_gather_v: sizes[{self.rank}]={sizes[self.rank]} but x has {self._rows(x)} rows on rank {self.rank}"
             )
-        return self.run(ALL_GATHER_V, x, out=out, out_splits=sizes)
+        return self._run(ALL_GATHER_V, x, out, None, None, None, sizes)
 
     def reduce_scatter_v(self, x: torch.Tensor, sizes: Sequence[int], op: Any = "sum", *,
                          out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce-scatter where rank r receives ``sizes[r]`` rows (``sum(sizes) == x.shape[0]``)."""
-        return self.run(REDUCE_SCATTER_V, x, out=out, op=op, in_splits=sizes)
+        return self._run(REDUCE_SCATTER_V, x, out, op, None, sizes, None)
 
     def all_to_all_v(self, x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int], *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p."""
-        return self.run(ALL_TO_ALL_V, x, out=out, in_splits=input_splits, out_splits=output_splits)
+        return self._run(ALL_TO_ALL_V, x, out, None, None, input_splits, output_splits)
 
     def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the root's ``x`` to every rank; by default in place into ``x`` (as torch.distributed)."""
-        return self.run(BROADCAST, x, out=x if out is None else out, root=root)
+        return self._run(BROADCAST, x, x if out is None else out, None, root, None, None)
 
     def run(self, spec: CollectiveSpec, x: torch.Tensor, *, out: torch.Tensor | None = None, op: Any = None,
             root: int | None = None, in_splits: Sequence[int] | None = None,
@@ -221,6 +278,46 @@ class Communicator:
         specs. ``in_splits`` / ``out_splits``: row counts per rank for sliced V
         layouts. Blocks the host until this rank's part is done.
         """
+        return self._run(spec, x, out, op, root, in_splits, out_splits)
+
+    # -- the call path -----------------------------------------------------------------------
+    # A call whose spec, op, root, dtype, shape and splits were seen before (and were valid then) skips
+    # the planning and the argument checks that depend only on those: it finds its schedule, fingerprint
+    # and output shape in self._calls. Checks that depend on the tensor objects (device, layout,
+    # contiguity, out's dtype and shape, overlap) and on the communicator's state run on every call; a
+    # call that fails one of them takes the full path below, which raises the error with its message.
+    def _run(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any) -> torch.Tensor:
+        key = None
+        if isinstance(x, torch.Tensor) and (op is None or type(op) in _KEY_OPS) and (root is None or type(root) is int):
+            ins = in_splits if in_splits is None else _splits_key(in_splits)
+            outs = out_splits if out_splits is None else _splits_key(out_splits)
+            if ins is not _NO_KEY and outs is not _NO_KEY:
+                key = (id(spec), op, root, x.dtype, x.shape, ins, outs)
+                call = self._calls.get(key) if not self._closed else None
+                if call is not None and call.spec is spec:
+                    self._check_usable(call.name)
+                    dev = self.device
+                    if x.device == dev and x.layout == _STRIDED and x.is_contiguous():
+                        if out is None:
+                            out = torch.empty(call.out_shape, dtype=x.dtype, device=dev)
+                            ok = True
+                        elif (isinstance(out, torch.Tensor) and out.device == dev and out.layout == _STRIDED
+                              and out.is_contiguous() and out.dtype is x.dtype and out.shape == call.out_shape):
+                            a0, b0, an, bn = x.data_ptr(), out.data_ptr(), x.nbytes, out.nbytes
+                            ok = not (a0 < b0 + bn and b0 < a0 + an) or (a0 == b0 and an == bn and call.in_place)
+                        else:
+                            ok = False
+                        if ok:
+                            self._seq += 1
+                            self._engine.execute(call.sched, CallContext(call.name, self._seq, call.fingerprint,
+                                                                         x.dtype, x, out))
+                            return out
+        return self._run_checked(spec, x, out, op, root, in_splits, out_splits, key)
+
+    def _run_checked(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any,
+                     key: tuple | None) -> torch.Tensor:
+        """The full path: every check, planning and lowering (cached), then the call; ``key`` (if
+        not None) files the validated call in the call cache."""
         name = spec.name if isinstance(spec, CollectiveSpec) else "run"
         self._check_usable(name)
         if not isinstance(spec, CollectiveSpec):
@@ -254,7 +351,8 @@ class Communicator:
         row_bytes = x.element_size() * (int(torch.Size(rest).numel()) if x.dim() else 1)
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)
-        algorithm = choose_algorithm(spec.with_consume(consume), nbytes, self.config.tuning)
+        algorithm = choose_algorithm(spec.with_consume(consume), nbytes, self.config.tuning,
+                                     packets=self._engine_packets)
         pkey = (spec, consume, root, algorithm)
         plan = self._plans.get(pkey)
         if plan is None:
@@ -272,9 +370,13 @@ class Communicator:
             self._schedules[skey] = sched
         fixed_total = None if spec.variable else nbytes
         fp = fingerprint(plan.key + (str(x.dtype), row_bytes, fixed_total))
+        if key is not None:
+            calls = self._calls
+            if len(calls) >= self.CALL_CACHE_SIZE:
+                del calls[next(iter(calls))]  # the oldest entry
+            calls[key] = _Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced)
         self._seq += 1
-        ctx = CallContext(name, self._seq, fp, x.dtype, _bytes(x), _bytes(out))
-        self._engine.execute(sched, ctx)
+        self._engine.execute(sched, CallContext(name, self._seq, fp, x.dtype, x, out))
         return out
 
     # -- validation --------------------------------------------------------------------------
@@ -401,12 +503,16 @@ class Communicator:
         self._closed = True
         if getattr(self, "_engine", None) is None:
             return
+        if self.engine_name == "cuda" and self.group is not None:
+            with contextlib.suppress(Exception):  # my kernels end (at worst by timeout) before my memory goes
+                torch.cuda.synchronize(self.device)
         self._engine.close()
         if self.group is not None:  # a process-shared mapping is this rank's own
             self._ws.close()
         self._ws = None
         self._plans.clear()
         self._schedules.clear()
+        self._calls.clear()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -421,8 +527,35 @@ class Communicator:
             pass
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+class _Call:
+    """A validated call of one shape: what running it again needs besides the tensors."""
+
+    __slots__ = ("spec", "name", "sched", "fingerprint", "out_shape", "in_place")
+
+    def __init__(self, spec: CollectiveSpec, name: str, sched: Schedule, fp: int, out_shape: tuple,
+                 in_place: bool):
+        self.spec, self.name, self.sched, self.fingerprint = spec, name, sched, fp
+        self.out_shape, self.in_place = out_shape, in_place  # in_place: out may be x
+
+
+_STRIDED = torch.strided
+_KEY_OPS = (str, ReduceOp)  # op values the call cache takes (exact types: no subclass can alias a key)
+_NO_KEY = object()
+
+
+def _splits_key(splits: Any) -> Any:
+    """Splits as a tuple of exact ints (the cache key part), or _NO_KEY: such a call is not cached.
+
+    Exact ints only: ``True == 1`` and ``1.0 == 1`` would otherwise hit the entry of a valid call."""
+    t = type(splits)
+    if t is list:
+        splits = tuple(splits)
+    elif t is not tuple:
+        return _NO_KEY
+    for v in splits:
+        if type(v) is not int:
+            return _NO_KEY
+    return splits
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,10 +20,10 @@ class EngineInfo:
 
 ENGINES: tuple[EngineInfo, ...] = (
     EngineInfo("cpu", "cpu", 0, ("host",), ("host",)),
-    EngineInfo("cuda", "cuda", 10, ("ipc",), ("loopback",)),
+    EngineInfo("cuda", "cuda", 10, ("ipc", "torch", "nvshmem"), ("loopback",)),
 )
-# Providers the CUDA engine is wired to today, per mode (the ipc provider is not connected yet).
-_CUDA_READY = {"virtual": ("loopback",), "group": ()}
+# Providers the CUDA engine is wired to today, per mode.
+_CUDA_READY = {"virtual": ("loopback",), "group": ("ipc", "torch", "nvshmem")}
 
 
 def cuda_engine_status() -> str:
@@ -65,9 +65,9 @@ def select_engine(device: torch.device, memory: str, *, virtual: bool = False) -
             f"{'with virtual ranks' if virtual else 'with a process group'} (it supports {list(mems)}); {hint}"
         )
     if eng.name == "cuda" and mem not in _CUDA_READY["virtual" if virtual else "group"]:
+        ready = _CUDA_READY["virtual" if virtual else "group"]
         raise PurlinUnavailableError(
-            f"device {device}: the CUDA engine with memory={mem!r} over a process group is not wired yet in "
-            "this version; use purlin_sglang.run_virtual(world, fn, device='cuda') (loopback ranks on one "
-            "GPU) or device='cpu'"
+            f"device {device}: the CUDA engine has no memory={mem!r} provider in this version; "
+            f"use one of {list(ready)}"
         )
     return eng, mem

@@ -32,12 +32,33 @@ def fingerprint(key: tuple) -> int:
 
 
 class CallContext:
-    """What one call needs besides the schedule: names for messages and the user's buffers."""
+    """What one call needs besides the schedule: names for messages and the user's buffers.
 
-    __slots__ = ("op", "seq", "fingerprint", "dtype", "inp", "out")
+    ``x`` and ``y`` are the user's input and output tensors (contiguous, validated). ``inp`` and
+    ``out`` are flat uint8 views of them, made on first use: the CPU engine works on those, the
+    CUDA engine reads only the data pointers, so its calls make no views."""
 
-    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, inp: torch.Tensor, out: torch.Tensor):
-        self.op, self.seq, self.fingerprint, self.dtype, self.inp, self.out = op, seq, fp, dtype, inp, out
+    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "_inp", "_out")
+
+    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor):
+        self.op, self.seq, self.fingerprint, self.dtype, self.x, self.y = op, seq, fp, dtype, x, y
+        self._inp = self._out = None
+
+    @property
+    def inp(self) -> torch.Tensor:
+        if self._inp is None:
+            self._inp = _bytes(self.x)
+        return self._inp
+
+    @property
+    def out(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = _bytes(self.y)
+        return self._out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 class CpuEngine:

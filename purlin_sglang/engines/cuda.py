@@ -71,6 +71,7 @@ def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int) -> int
 
 class CudaEngine:
     name = "cuda"
+    packets = True  # runs the packet protocol (snac/packet.cuh): the planner may choose "packet"
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None):
         if world > native.SNAC_MAX_RANKS:
@@ -78,7 +79,7 @@ class CudaEngine:
         self.lib = native.load()
         self.ws, self.rank, self.world, self.timeout_s = ws, rank, world, timeout_s
         self.device = torch.device("cuda", ws.device_index)
-        dl: DeviceLayout = ws.dlayout
+        dl: DeviceLayout = ws.layout
         self.dlayout = dl
         with torch.cuda.device(self.device):
             self.blocks = grid_blocks(self.lib, world, ranks_on_gpu or world)
@@ -92,6 +93,7 @@ class CudaEngine:
         p.notify_off, p.ack_off, p.sent_off = dl.notify_off, dl.ack_off, dl.sent_off
         p.expect_off, p.acked_off, p.arrive_off, p.arrive_slots = dl.expect_off, dl.acked_off, dl.arrive_off, ARRIVE_SLOTS
         p.exit_off, p.error_off, p.staging_off = dl.exit_off, dl.error_off, dl.staging_off
+        p.epoch_off, p.window_off, p.window_bytes = dl.epoch_off, dl.window_off, dl.window_bytes
         p.timeout_ns = int(timeout_s * 1e9)
         p.host_error = self._host_error.data_ptr()
         self._params = p
@@ -99,11 +101,14 @@ class CudaEngine:
         self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
         self._by_key: dict[tuple, tuple] = {}
         self._names: list[str] = []  # tag -> collective name, for error messages
-        self._stream = None
+        self._index = ws.device_index
+        self._stream = None  # the torch Stream of the last launch (for synchronize) and its handle
+        self._stream_handle: int | None = None
         self.broken: str | None = None
 
     # -- tables --------------------------------------------------------------------------------
     def _table(self, sched: Schedule, op: str) -> tuple:
+        """(schedule, table, n_ops, n_updates, tag, table pointer, reduces) of ``sched``, made once."""
         e = self._by_id.get(id(sched))
         if e is not None and e[0] is sched:
             return e
@@ -117,7 +122,7 @@ class CudaEngine:
             enc = encode(sched, self.dlayout)
             table = self._arena.put(enc.words)
             self._names.append(op)
-            e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1)
+            e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1, table.data_ptr(), _has_reduce(sched))
             self._by_key[key] = e
         self._by_id[id(sched)] = e if e[0] is sched else (sched,) + e[1:]
         return self._by_id[id(sched)]
@@ -129,14 +134,17 @@ class CudaEngine:
             self._raise_recorded()
         if self.broken:
             raise PurlinBrokenError(f"{ctx.op}: the communicator is broken ({self.broken})")
-        _, table, n_ops, n_updates, tag = self._table(sched, ctx.op)
+        e = self._by_id.get(id(sched))
+        if e is None or e[0] is not sched:
+            e = self._table(sched, ctx.op)
         p = self._params
-        p.ops, p.n_ops, p.n_updates, p.tag = table.data_ptr(), n_ops, n_updates, tag
-        p.input, p.output = ctx.inp.data_ptr(), ctx.out.data_ptr()
-        p.dtype = native.reduce_dtype_code(ctx.dtype) if _has_reduce(sched) else 0
-        stream = torch.cuda.current_stream(self.device)
-        self._stream = stream
-        code = self.lib.snac_execute(self._pref, stream.cuda_stream)
+        p.ops, p.n_ops, p.n_updates, p.tag = e[5], e[2], e[3], e[4]
+        p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
+        p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
+        stream = _current_raw_stream(self._index)
+        if stream != self._stream_handle:  # a stream not launched on before: keep it for synchronize()
+            self._stream, self._stream_handle = torch.cuda.current_stream(self.device), stream
+        code = self.lib.snac_execute(self._pref, stream)
         if code:
             self.mark_broken(f"launch failed with CUDA error {code}")
             raise PurlinCudaError(f"{ctx.op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
@@ -162,6 +170,7 @@ class CudaEngine:
             "ack": f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
             "drain": f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
             "barrier": "the other blocks of my own grid",
+            "packet": f"rank {peer}'s packets of packet call {target} (saw epoch {seen})",
         }.get(kname, kname)
         msg = (f"{name}: rank {rank} waited {self.timeout_s:g}s at op #{index} ({kname} wait) for {what}. "
                f"Rank {peer} skipped this call or is stuck; the communicator is now broken")
@@ -186,3 +195,13 @@ class CudaEngine:
 
 def _has_reduce(sched: Schedule) -> bool:
     return not sched.plan.spec.consume.is_copy
+
+
+def _torch_current_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The cudaStream_t of the calling thread's current stream on device ``index``: torch's own raw query
+# (the one its compiled code calls; no Stream object is built), else the public API. The one stream
+# lookup of a call.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _torch_current_stream)

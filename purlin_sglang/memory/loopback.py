@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from .layout import DeviceLayout, WorkspaceLayout
+from .layout import DeviceLayout
 
 
 class LoopbackWorld:
     """The shared allocation of all virtual ranks; ``view(r)`` is rank r's DeviceWorkspace."""
 
     def __init__(self, world: int, staging_bytes: int, device_index: int):
-        self.dlayout = DeviceLayout(world, staging_bytes)
-        self.layout = WorkspaceLayout(world, staging_bytes)
+        self.layout = DeviceLayout(world, staging_bytes)
         self.world, self.device_index = world, device_index
-        n = self.dlayout.rank_bytes * world
+        n = self.layout.rank_bytes * world
         self._buf = torch.zeros(n, dtype=torch.uint8, device=torch.device("cuda", device_index))
         torch.cuda.synchronize(device_index)  # zeroed before any rank's kernel can run
         base = self._buf.data_ptr()
-        self._ptrs = [base + r * self.dlayout.rank_bytes for r in range(world)]
+        self._ptrs = [base + r * self.layout.rank_bytes for r in range(world)]
 
     @property
     def base_ptrs(self) -> list[int]:
@@ -47,7 +46,6 @@ class LoopbackWorkspace:
     def __init__(self, shared: LoopbackWorld, rank: int):
         self._shared = shared
         self.layout = shared.layout
-        self.dlayout = shared.dlayout
         self.rank = rank
         self.device_index = shared.device_index
 
@@ -57,7 +55,7 @@ class LoopbackWorkspace:
 
     @property
     def hbm_bytes(self) -> int:
-        return self.dlayout.rank_bytes
+        return self.layout.rank_bytes
 
     def close(self) -> None:
         self._shared = None

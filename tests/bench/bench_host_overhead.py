@@ -1,0 +1,193 @@
+"""Host time of one small collective call, on a machine without a GPU (not a test).
+
+    python tests/bench/bench_host_overhead.py [--world 8] [--iters 20000] [--json out.json]
+
+Two layers are timed per call with ``time.perf_counter_ns`` around each call (median and p90):
+
+* ``Communicator.run`` (through the convenience methods) on CPU tensors of rank 0 of a virtual
+  world, with the engine replaced by ``FakeCudaEngine``: a fake standing in for CudaEngine that
+  only records its arguments. This is validation, plan/schedule lookup, fingerprint, output
+  allocation and the call context: everything of an eager call above the engine.
+* ``CudaEngine.execute`` itself (the real Python code of the hot path) with a fake native library
+  whose ``snac_execute`` returns 0 and a fake stream lookup, and the two layers together.
+
+What is NOT in these figures: the real stream lookup, the ctypes call into the driver and the
+kernel launch. The GPU machine's eager figure (tests/gpu/bench_cuda_engine.py) includes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import ctypes
+
+import torch
+
+from purlin_sglang import native
+from purlin_sglang.api import Communicator, _VirtualWorld
+from purlin_sglang.config import PurlinConfig
+from purlin_sglang.engines import cuda as cuda_mod
+from purlin_sglang.memory.layout import DeviceLayout
+
+FAKE_STREAM = 0x5EED  # the cudaStream_t the fake stream lookup reports
+
+
+class FakeCudaEngine:
+    """Stands in for CudaEngine under a Communicator: records each call's arguments, runs nothing."""
+
+    name = "cuda"
+
+    def __init__(self):
+        self.broken = None
+        self.calls = 0
+        self.last = None
+
+    def execute(self, sched, ctx) -> None:
+        self.calls += 1
+        self.last = (sched, ctx)
+
+    def check(self) -> None:
+        pass
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = self.broken or reason
+
+    def close(self) -> None:
+        pass
+
+
+class FakeNativeLibrary:
+    """The one native entry point execute() calls, returning cudaSuccess."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def snac_execute(self, params, stream) -> int:
+        self.launches += 1
+        return 0
+
+    def error_string(self, code: int) -> str:
+        return f"fake error {code}"
+
+
+class _FakeStream:
+    cuda_stream = FAKE_STREAM
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install_fake_cuda_queries() -> None:
+    """Replace the torch.cuda queries CudaEngine.execute makes (no GPU here) by constant fakes:
+    the stream lookup, and the capture check made once when a schedule's table is built."""
+    torch.cuda.current_stream = lambda device=None: _FakeStream()
+    torch.cuda.is_current_stream_capturing = lambda: False
+    if hasattr(cuda_mod, "_current_raw_stream"):
+        cuda_mod._current_raw_stream = lambda index: FAKE_STREAM
+
+
+def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int) -> cuda_mod.CudaEngine:
+    """A real CudaEngine object whose device parts are on the CPU and whose library is fake.
+
+    Built field by field as CudaEngine.__init__ does (its __init__ needs a GPU)."""
+    e = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
+    e.lib = FakeNativeLibrary()
+    e.ws, e.rank, e.world, e.timeout_s = None, rank, world, 60.0
+    e.device = torch.device("cuda", 0)
+    e.dlayout = DeviceLayout(world, staging_bytes)
+    e.blocks = 16
+    e._arena = cuda_mod._Arena(torch.device("cpu"), 1 << 16)
+    e._host_error = torch.zeros(cuda_mod.HOST_ERROR_WORDS, dtype=torch.int64)
+    e._err = e._host_error.numpy()
+    e._params = native.SnacParams()
+    e._pref = ctypes.byref(e._params)
+    e._by_id, e._by_key, e._names = {}, {}, []
+    e._index, e._stream, e._stream_handle = 0, None, None
+    e.broken = None
+    return e
+
+
+def make_comm(world: int, engine) -> Communicator:
+    """Rank 0 of a virtual CPU world of ``world`` ranks, its engine replaced by ``engine``."""
+    cfg = PurlinConfig(staging_bytes=1 << 20)
+    vw = _VirtualWorld(world, cfg, torch.device("cpu"), "cpu")
+    comm = Communicator._virtual(vw, 0)
+    comm._engine.close()
+    comm._engine, comm.engine_name = engine, "cuda"
+    return comm
+
+
+def time_calls(call, iters: int, warmup: int = 200) -> dict:
+    for _ in range(warmup):
+        call()
+    ns = [0] * iters
+    clock = time.perf_counter_ns
+    for i in range(iters):
+        t = clock()
+        call()
+        ns[i] = clock() - t
+    ns.sort()
+    return {"median_us": statistics.median(ns) / 1e3, "p90_us": ns[int(0.9 * iters)] / 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    w = a.world
+    bf16 = torch.bfloat16
+    rows = []
+
+    def emit(case: str, res: dict) -> None:
+        rows.append({"case": case, **res})
+        print(f"{case:<58} median {res['median_us']:6.2f} us   p90 {res['p90_us']:6.2f} us", flush=True)
+
+    # -- Communicator.run above a fake engine ---------------------------------------------------------
+    fake = FakeCudaEngine()
+    comm = make_comm(w, fake)
+    x = torch.randn(4096).to(bf16)
+    out = torch.empty_like(x)
+    xg = torch.randn(4096).to(bf16)
+    xa = torch.randn(8 * w, 64).to(bf16)  # all_to_all_v: 8 rows of 64 to every rank
+    splits = [8] * w
+    cases = [
+        ("run: all_reduce 4096 bf16", lambda: comm.all_reduce(x)),
+        ("run: all_reduce 4096 bf16, out=", lambda: comm.all_reduce(x, out=out)),
+        ("run: all_reduce 4096 bf16, in place (out=x)", lambda: comm.all_reduce(x, out=x)),
+        ("run: all_gather 4096 bf16 per rank", lambda: comm.all_gather(xg)),
+        ("run: all_to_all_v 8x64 bf16 per peer, splits as lists", lambda: comm.all_to_all_v(xa, splits, splits)),
+    ]
+    for case, call in cases:
+        before = fake.calls
+        emit(case, time_calls(call, a.iters))
+        if fake.calls != before + a.iters + 200:
+            raise SystemExit(f"{case}: the fake engine saw {fake.calls - before} calls")
+    sched, ctx = fake.last
+    if sched.plan.spec.name != "all_to_all_v" or ctx.dtype is not bf16:
+        raise SystemExit(f"the fake engine recorded {sched.plan.spec.name}, {ctx.dtype}")
+
+    # -- CudaEngine.execute (real Python, fake library and stream lookup) -----------------------------
+    install_fake_cuda_queries()
+    eng = real_cuda_engine_on_cpu(w, 0, 1 << 20)
+    comm.all_reduce(x, out=out)
+    sched, ctx = fake.last
+    emit("CudaEngine.execute (fake lib and stream), all_reduce", time_calls(lambda: eng.execute(sched, ctx), a.iters))
+    if eng.lib.launches != a.iters + 200 or eng._params.output != out.data_ptr():
+        raise SystemExit("the fake library did not see the expected launches / pointers")
+
+    comm2 = make_comm(w, eng)
+    emit("run + CudaEngine.execute: all_reduce 4096 bf16, out=", time_calls(lambda: comm2.all_reduce(x, out=out),
+                                                                          a.iters))
+    emit("run + CudaEngine.execute: all_reduce 4096 bf16", time_calls(lambda: comm2.all_reduce(x), a.iters))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"torch": torch.__version__, "world": w, "iters": a.iters, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The CUDA engine across processes: ``Communicator(group, "cuda")`` with the ipc and torch providers.
+
+Two processes on one GPU (gloo group; each process its own CUDA context, time-sliced, a few ms a
+round trip, so calls are few). In each worker a CPU communicator on the same group is the oracle:
+every collective's CUDA result must be bitwise the CPU engine's, on fresh random inputs, outputs
+poisoned first. Also: CUDA-graph replay with new inputs, a rank that skips a call (a timeout that
+names the peer, then a new communicator works), a config mismatch refused on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+from _torch_reference import (  # noqa: E402
+    COLLECTIVES, assert_bits_equal, case, case_call, case_expected, case_inputs, poison_like,
+)
+from purlin_sglang.testing import launch  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "CUDA_MODULE_LOADING": "EAGER"}
+# PyTorch refuses two ranks on one GPU unless told otherwise (memory/torch_symm.py).
+MEMORY_ENV = {"ipc": {}, "torch": {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}}
+STAGING = 1 << 20
+
+
+def _cases(seed: int) -> list[dict]:
+    cs = [case(c, torch.float32, rows=3, width=5, seed=seed + i) for i, c in enumerate(COLLECTIVES)]
+    cs += [
+        case("all_reduce", torch.bfloat16, rows=64, width=33, seed=seed + 20),           # one-shot
+        case("all_reduce", torch.bfloat16, rows=2048, width=129, seed=seed + 21),        # two-shot (528 KB)
+        case("all_reduce", torch.float16, rows=7, width=3, op="max", seed=seed + 22),    # odd bytes
+        case("reduce_scatter", torch.float32, rows=5, width=11, op="min", seed=seed + 23),
+        case("all_gather", torch.uint8, rows=3 * STAGING // 2, width=None, seed=seed + 24),  # > staging
+        case("all_to_all", torch.int64, rows=1, width=1, seed=seed + 25),
+        case("all_gather", torch.bfloat16, rows=0, width=4, seed=seed + 26),             # empty
+    ]
+    return cs
+
+
+def _device(rank: int, placement: str) -> int:
+    return 0 if placement == "one_gpu" else rank % torch.cuda.device_count()
+
+
+def _collectives_worker(rank, world, memory, seed, placement):
+    import purlin_sglang as ps
+
+    dev = _device(rank, placement)
+    torch.cuda.set_device(dev)
+    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": 30}
+    cuda = ps.Communicator(None, f"cuda:{dev}", config=cfg)
+    cpu = ps.Communicator(None, "cpu", config={"staging_bytes": STAGING, "timeout_s": 30})
+    info = {"engine": cuda.engine_name, "memory": cuda.memory, "hbm": cuda.hbm_bytes, "repr": repr(cuda)}
+    bad = []
+    for c in _cases(seed):
+        xs = case_inputs(c, world)
+        want, touched = case_expected(c, world, rank, xs)
+        ref = case_call(cpu, c, xs[rank].clone(), poison_like(want))
+        x = xs[rank].to(cuda.device)
+        out = poison_like(want).to(cuda.device)
+        got = case_call(cuda, c, x, out)
+        cuda.synchronize()
+        label = f"{c['coll']} {c['dtype']} rows={c['rows']} op={c['op']}"
+        try:
+            assert got is out
+            assert_bits_equal(out.cpu(), ref, f"rank {rank}: {label} cuda vs cpu")
+            if touched:
+                assert_bits_equal(out.cpu(), want, f"rank {rank}: {label} cuda vs torch reference")
+            assert_bits_equal(x.cpu(), xs[rank], f"rank {rank}: {label} input changed")
+        except AssertionError as e:
+            bad.append(str(e))
+    # In place (all_reduce and broadcast may run with out=x).
+    for c in (case("all_reduce", torch.bfloat16, rows=9, width=17, seed=seed + 40),
+              case("broadcast", torch.float32, rows=4, width=6, root=1, seed=seed + 41)):
+        xs = case_inputs(c, world)
+        want, _ = case_expected(c, world, rank, xs)
+        x = xs[rank].to(cuda.device)
+        case_call(cuda, c, x, x)
+        cuda.synchronize()
+        try:
+            assert_bits_equal(x.cpu(), want, f"rank {rank}: {c['coll']} in place")
+        except AssertionError as e:
+            bad.append(str(e))
+    import torch.distributed as dist
+
+    dist.barrier()  # no peer still reads my memory (Communicator.close is local)
+    cuda.close()
+    cpu.close()
+    info["bad"] = bad
+    info["hbm_after_close"] = cuda.hbm_bytes
+    return info
+
+
+def _graph_worker(rank, world, memory, seed, replays):
+    import purlin_sglang as ps
+
+    torch.cuda.set_device(0)
+    comm = ps.Communicator(None, "cuda", config={"memory": memory, "staging_bytes": STAGING, "timeout_s": 30})
+    dev = comm.device
+    shapes = {"ar": ((256, 16), torch.bfloat16), "ag": ((5, 7), torch.float32)}
+    x = {k: torch.empty(s, dtype=d, device=dev) for k, (s, d) in shapes.items()}
+    y = {"ar": torch.empty_like(x["ar"]), "ag": torch.empty((5 * world, 7), dtype=torch.float32, device=dev)}
+
+    def calls():
+        comm.all_reduce(x["ar"], out=y["ar"])
+        comm.all_gather(x["ag"], out=y["ag"])
+
+    def inputs(i):
+        g = torch.Generator().manual_seed(seed * 7919 + i)
+        return {k: [torch.randn(s, generator=g).to(d) for _ in range(world)] for k, (s, d) in shapes.items()}
+
+    for k, v in inputs(-1).items():
+        x[k].copy_(v[rank])
+    calls()  # warm-up: every op table exists before the capture
+    comm.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture(), torch.cuda.graph(graph):
+        calls()
+    bad = 0
+    for i in range(replays):
+        xs = inputs(i)
+        for k in x:
+            x[k].copy_(xs[k][rank])
+            y[k].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_ar = sum(t.float() for t in xs["ar"]).to(torch.bfloat16)  # two ranks: one addition, exact order-free
+        want_ag = torch.cat(xs["ag"])
+        bad += not torch.equal(y["ar"].cpu(), want_ar) or not torch.equal(y["ag"].cpu(), want_ag)
+    import torch.distributed as dist
+
+    dist.barrier()
+    comm.close()
+    return bad
+
+
+def _timeout_worker(rank, world, memory, timeout):
+    import purlin_sglang as ps
+    from purlin_sglang.errors import PurlinTimeoutError
+
+    torch.cuda.set_device(0)
+    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": timeout}
+    comm = ps.Communicator(None, "cuda", config=cfg)
+    x = torch.ones(1000, device=comm.device)
+    comm.all_reduce(x)
+    t0 = time.monotonic()
+    outcome = "ok"
+    try:
+        if rank == 0:  # rank 1 skips the second call
+            comm.all_reduce(x)
+        comm.synchronize()
+    except PurlinTimeoutError as e:
+        outcome = ("timeout", str(e), e.rank, tuple(e.missing))
+    elapsed = time.monotonic() - t0
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0's timed-out kernel has ended before rank 1 frees the memory it polled
+    comm.close()
+    fresh = ps.Communicator(None, "cuda", config=cfg)
+    y = fresh.all_reduce(torch.full((8,), float(rank + 1), device=fresh.device))
+    fresh.synchronize()
+    again = y.cpu().tolist()
+    dist.barrier()
+    fresh.close()
+    return outcome, elapsed, again
+
+
+def _mismatch_worker(rank, world, memory):
+    import purlin_sglang as ps
+    from purlin_sglang.errors import PurlinConfigError
+
+    torch.cuda.set_device(0)
+    t0 = time.monotonic()
+    try:
+        ps.Communicator(None, "cuda", config={"memory": memory, "staging_bytes": STAGING << rank})
+        return "no error", time.monotonic() - t0
+    except PurlinConfigError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("memory", ["ipc", "torch"])
+@pytest.mark.parametrize("placement", ["one_gpu", "per_rank_gpu"])
+def test_every_collective_bitwise_cpu_engine(memory, placement):
+    if placement == "per_rank_gpu" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one per rank)")
+    seed = int.from_bytes(os.urandom(3), "little")
+    env = {**ENV, **(MEMORY_ENV[memory] if placement == "one_gpu" else {})}
+    results = launch(_collectives_worker, 2, memory, seed, placement, timeout_s=240, env=env)
+    for rank, info in enumerate(results):
+        assert info["engine"] == "cuda" and info["memory"] == memory, info
+        assert info["hbm"] > STAGING and info["hbm_after_close"] == 0, info
+        assert info["bad"] == [], f"seed {seed} rank {rank}:\n" + "\n".join(info["bad"])
+
+
+@pytest.mark.parametrize("memory", ["ipc", "torch"])
+def test_cuda_graph_replays_with_new_inputs(memory):
+    seed = int.from_bytes(os.urandom(3), "little")
+    res = launch(_graph_worker, 2, memory, seed, 20, timeout_s=180, env={**ENV, **MEMORY_ENV[memory]})
+    assert res == [0, 0], f"seed {seed}: wrong replays per rank {res}"
+
+
+def test_skipped_call_times_out_naming_the_peer_then_a_new_communicator_works():
+    timeout = 3.0
+    res = launch(_timeout_worker, 2, "ipc", timeout, timeout_s=120, env=ENV)
+    (out0, elapsed0, again0), (out1, _, again1) = res
+    assert out1 == "ok", out1
+    assert out0[0] == "timeout", out0
+    _, msg, rank, missing = out0
+    assert msg.startswith("all_reduce: rank 0 waited") and "rank 1" in msg, msg
+    assert rank == 0 and missing == (1,), out0
+    assert elapsed0 < timeout + 5, elapsed0
+    assert again0 == again1 == [3.0] * 8
+
+
+def test_config_mismatch_is_refused_on_every_rank():
+    res = launch(_mismatch_worker, 2, "ipc", timeout_s=60, env=ENV)
+    for msg, elapsed in res:
+        assert msg.startswith("Communicator: ranks disagree on (staging_bytes, memory)"), msg
+        assert elapsed < 20, elapsed
