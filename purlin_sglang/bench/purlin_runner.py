@@ -115,6 +115,9 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
         raise
 
 
+_CAPTURE_LOCK = threading.Lock()
+
+
 def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
     """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
 
@@ -127,7 +130,11 @@ def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
     side = torch.cuda.Stream(dev)
     side.wait_stream(stream)
     g = torch.cuda.CUDAGraph()
-    with comm.capture():
+    # One capture at a time in the process: torch registers its CUDA generator's state with the
+    # graph being captured and refuses while another thread's capture is open ("Cannot register
+    # the state during capturing stage"; seen at 1 MiB, 8 ranks). Captured calls do not run, so
+    # the ranks capturing in turn cannot wait on each other.
+    with _CAPTURE_LOCK, comm.capture():
         with torch.cuda.stream(side):
             g.capture_begin(capture_error_mode="thread_local")
             try:
