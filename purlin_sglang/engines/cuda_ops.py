@@ -91,6 +91,16 @@ class _Guard:
         self.alias = [e for e in self.alias if e[0] >= index]
 
 
+def _reduce_record(code: int, op, plan) -> list[int]:
+    """A REDUCE or PACKET_REDUCE record: op, source count, dst ref, bytes, source refs in rank order."""
+    if len(op.srcs) > MAX_REDUCE_SOURCES:
+        raise PurlinPlanError(
+            f"{plan.spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
+            f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
+    w0 = code | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
+    return [w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs]
+
+
 def _check_run(recs: list, op: Signal, name: str) -> None:
     """The kernel gives a run of consecutive signals in parallel: no counter may appear twice in one."""
     kind = NOTIFY if op.kind == "notify" else ACK
@@ -146,13 +156,9 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
             if op.dst.nbytes:
                 data([COPY, _ref(op.dst), _ref(op.src), op.dst.nbytes], [op.src], [op.dst])
         elif isinstance(op, Reduce):
-            if len(op.srcs) > MAX_REDUCE_SOURCES:
-                raise PurlinPlanError(
-                    f"{spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
-                    f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
+            rec = _reduce_record(REDUCE, op, plan)  # checked even when empty
             if op.dst.nbytes:
-                w0 = REDUCE | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
-                data([w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs], list(op.srcs), [op.dst])
+                data(rec, list(op.srcs), [op.dst])
         elif isinstance(op, Signal):
             key = (op.peer, op.item)
             _check_run(recs, op, spec.name)
@@ -189,13 +195,9 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
                 else:
                     recs.append([PACKET_PUT, _ref(op.src), op.src.nbytes, 1, op.peer])
         elif isinstance(op, PacketReduce):
-            if len(op.srcs) > MAX_REDUCE_SOURCES:
-                raise PurlinPlanError(
-                    f"{spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
-                    f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
+            rec = _reduce_record(PACKET_REDUCE, op, plan)
             if op.dst.nbytes:
-                w0 = PACKET_REDUCE | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
-                recs.append([w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs])
+                recs.append(rec)
         elif isinstance(op, WaitDrainAll):
             if any(sent.get((c, i), 0) for c in op.peers for i in range(op.items)):
                 raise PurlinPlanError(f"{spec.name}: internal: drain-all after this call's own notifies")
