@@ -18,7 +18,7 @@ import torch
 
 from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
-    REDUCE_SCATTER_V, CollectiveSpec, ReduceOp, parse_op,
+    REDUCE_SCATTER_V, CollectiveSpec, ReduceOp,
 )
 from .config import PurlinConfig
 from .engines import select_engine
