@@ -164,6 +164,16 @@ def _trips(length: int, chunk: int) -> int:
     return max(1, -(-length // chunk))
 
 
+def _window_region(plan: Plan, r: "_Resolver", ref: Ref) -> tuple[int, int]:
+    """(offset, length) of ``ref``, refused if it does not fit one packet receive window."""
+    off, n = r.region(ref)
+    if n > PACKET_WINDOW_BYTES:
+        raise PurlinPlanError(
+            f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
+            f"rank {plan.rank} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+    return off, n
+
+
 def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     """The packet plan: one round, no chunks (the payload fits one receive window)."""
     me, world = plan.rank, plan.world
@@ -171,19 +181,11 @@ def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     ops: list[Op] = []
     for s in plan.program.body:
         if isinstance(s, Push):
-            off, n = r.region(s.src)
-            if n > PACKET_WINDOW_BYTES:
-                raise PurlinPlanError(
-                    f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
-                    f"rank {me} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+            off, n = _window_region(plan, r, s.src)
             ops.append(PacketPut(s.peer, Span(Buf.INPUT, me, off, n)))
             send[s.peer] += n
         elif isinstance(s, ConsumeStep):
-            off, n = r.region(s.dst)
-            if n > PACKET_WINDOW_BYTES:
-                raise PurlinPlanError(
-                    f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
-                    f"rank {me} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+            off, n = _window_region(plan, r, s.dst)
             srcs = []
             for x in s.srcs:
                 if x.buf is Buf.WINDOW:
