@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -68,7 +68,7 @@ class SnacParams(ctypes.Structure):
         ("notify_off", _ll), ("ack_off", _ll), ("sent_off", _ll), ("expect_off", _ll), ("acked_off", _ll),
         ("arrive_off", _ll), ("arrive_slots", _ll), ("exit_off", _ll), ("error_off", _ll), ("staging_off", _ll),
         ("timeout_ns", _ll), ("host_error", ctypes.c_void_p), ("tag", _ll),
-        ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll),
+        ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll), ("packets", _ll),
     ]
 
 

@@ -345,6 +345,9 @@ class FakeNativeLibrary:
                                   output=p.output, dtype=p.dtype, stream=stream))
         return self.code
 
+    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0) -> None:
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
+
     def error_string(self, code: int) -> str:
         return f"fake CUDA error {code}"
 
@@ -398,6 +401,8 @@ def test_cuda_execute_fills_the_parameters_and_launches_on_the_current_stream(mo
     assert l1 == l2 and l1["ops"] == table.data_ptr() and l1["n_ops"] == eng._by_id[id(s_red)][2] > 0
     assert (l1["input"], l1["output"], l1["stream"]) == (x.data_ptr(), out.data_ptr(), 0x1000)
     assert l1["dtype"] == native.reduce_dtype_code(bf16) != 0
+    want = cuda_mod.encode(s_red, eng.dlayout).words  # the table reached the arena through its pinned mirror
+    assert table.numel() == want.size and torch.equal(table, torch.from_numpy(want))
     assert (l3["input"], l3["output"], l3["stream"], l3["dtype"]) == (xg.data_ptr(), c_cp.y.data_ptr(), 0x2000, 0)
     assert l3["ops"] != l1["ops"] and l3["tag"] != l1["tag"]
     assert len(looked_up) == 2 and eng._stream.cuda_stream == 0x2000  # a Stream object per new stream only

@@ -5,7 +5,9 @@
 // consecutive waits is polled by each block, one thread per wait (relaxed loads, then one acquire), bounded by timeout_ns: past
 // it, the first block records the error (device word + host-mapped record) and every block exits;
 // later kernels of a broken workspace exit at once. Mirrors are written back by the last block to
-// finish, after every block has read them, so all state carries across calls and graph replays.
+// finish, after every block has read them, so all state carries across calls and graph replays; a
+// schedule with no mirror updates skips that exit counter. Packet schedules run in their own kernel
+// (snac/packet.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,7 +16,6 @@
 #include "atoms/reduce.cuh"
 #include "kernels/reduce_kernel.cuh"
 #include "snac/ops.cuh"
-#include "snac/packet.cuh"
 
 namespace purlin::snac {
 
@@ -209,7 +210,6 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   __shared__ int s_last;
   char* me = own(p);
   if (__syncthreads_or(lead && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) return;
-  const uint32_t epoch = packet_epoch(p);  // this call's packet epoch (read before the exit bumps it)
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;
     const long long w0 = o[0];
@@ -240,12 +240,6 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
       case kDrainAll:
         if (__syncthreads_or(!exec_drain_all(o, p, i))) return;
         break;
-      case kPacketPut: exec_packet_put(o, p, epoch); break;
-      case kPacketReduce:
-        if constexpr (!std::is_same_v<T, void>) {
-          if (__syncthreads_or(!exec_packet_reduce<T>(o, p, epoch, i))) return;
-        }
-        break;
       case kBarrier:
         if (((w0 >> 24) & kFlagInPlaceOnly) && p.input != p.output) break;
         __syncthreads();
@@ -256,6 +250,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   }
   __syncthreads();
   if (!lead) return;
+  if (p.n_updates == 0) return;  // no mirrors to write back: no exit counter, no fences
   __threadfence();
   auto* ctr = reinterpret_cast<unsigned long long*>(me + p.exit_off);
   if ((atomicAdd(ctr, 1ull) + 1) % static_cast<unsigned long long>(p.blocks) != 0) return;

@@ -18,6 +18,8 @@
 //                  into each consumer's window (snac/packet.cuh)
 //   PACKET_REDUCE  sub = op, nsrc sources: w1 dst ref, w2 bytes, w3.. source refs in rank order;
 //                  a ref with buf WINDOW names the packets that rank pushed into my window
+//   PACKET_COPY    w1 dst ref, w2 bytes, w3 src ref: a WINDOW ref (the packets that rank pushed
+//                  into my window) or a direct ref, copied with the same per-thread packet mapping
 // After the records: n_updates pairs (byte offset of a mirror in my workspace, delta).
 #pragma once
 #include <cstdint>
@@ -27,7 +29,8 @@
 namespace purlin::snac {
 
 enum Opcode : int {
-  kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6, kPacketPut = 7, kPacketReduce = 8
+  kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6, kPacketPut = 7, kPacketReduce = 8,
+  kPacketCopy = 9
 };
 enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3, kPacketKind = 4 };
 enum Buf : int { kInput = 0, kOutput = 1, kStage = 2, kWindow = 3 };
@@ -36,6 +39,7 @@ constexpr long long kFlagInPlaceOnly = 1;
 
 struct SnacConfig {
   static constexpr unsigned kThreads = 512;
+  static constexpr unsigned kPacketThreads = 256;  // the packet kernel (snac/packet.cuh): fewer, fatter threads
   static constexpr int kCopyUnroll = 4;
 };
 

@@ -7,17 +7,22 @@
 // the planner uses packets only for small payloads (tuning.packet_max_bytes).
 //
 // Producers PUSH packets into each consumer's receive window (in the consumer's workspace):
-// window[parity][producer], parity = epoch & 1. The epoch counts this rank's packet calls (a word
-// in its own workspace, bumped by the kernel's last block at exit, never reset: CUDA graphs replay).
+// window[parity][producer], parity = epoch & 1. The epoch counts the packet calls a block has run:
+// one word per block in the rank's own workspace, read at kernel start and bumped by that block
+// at its exit, never reset (CUDA graphs replay). Every block runs every call, so all blocks of all
+// ranks agree on the epoch of a call without waiting for each other.
 // A window parity is rewritten two packet calls later; by then its reader has finished reading it,
 // because the writer has itself received the reader's packets of the call in between, which the
 // reader sends only after its previous kernel ended (stream order). So no acknowledgement exists.
 //
 // Thread t handles packets t, t + threads, ... in every packet op of a call, so a rank's own input
-// element is read (puts, the reduce) and its output written by one thread: in place is safe.
+// element is read (puts, the reduce, a copy) and its output written by one thread: in place is safe.
+// A reduce issues its loads of every source's packet before checking any flag, so waiting for
+// world - 1 producers costs about one round trip, not one per producer.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "atoms/reduce.cuh"
 #include "snac/ops.cuh"
@@ -62,11 +67,6 @@ __device__ __forceinline__ void store_payload(char* dst, size_t j, size_t n, uin
   for (size_t b = 0; b < kPacketPayload && off + b < n; ++b) dst[off + b] = static_cast<char>(v >> (8 * b));
 }
 
-__device__ __forceinline__ uint32_t packet_epoch(const PurlinSnacParams& p) {
-  return uint32_t(ld_relaxed_sys(reinterpret_cast<const long long*>(static_cast<const char*>(p.bases[p.rank]) +
-                                                                    p.epoch_off)) + 1);
-}
-
 // Window [parity][producer] in `owner`'s workspace.
 __device__ __forceinline__ char* window(const PurlinSnacParams& p, long long owner, long long producer, uint32_t e) {
   return static_cast<char*>(p.bases[owner]) + p.window_off + ((long long)(e & 1u) * p.world + producer) * p.window_bytes;
@@ -78,36 +78,61 @@ __device__ inline void exec_packet_put(const long long* o, const PurlinSnacParam
   const char* src = resolve(p, o[1]);
   const size_t n = size_t(o[2]);
   const int m = int(o[3]);
-  char* win[PURLIN_SNAC_OP_WORDS - 4];
-  for (int c = 0; c < m; ++c) win[c] = window(p, o[4 + c], p.rank, e);
+  constexpr int kMax = PURLIN_SNAC_OP_WORDS - 4;
+  char* win[kMax];
+#pragma unroll
+  for (int c = 0; c < kMax; ++c) win[c] = c < m ? window(p, o[4 + c], p.rank, e) : nullptr;
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     const uint64_t v = load_payload(src, j, n);
-    for (int c = 0; c < m; ++c) st_packet(win[c] + j * kPacketBytes, v, e);
+#pragma unroll
+    for (int c = 0; c < kMax; ++c) {
+      if (c < m) st_packet(win[c] + j * kPacketBytes, v, e);
+    }
   }
 }
 
-// Wait for packet `pk` carrying epoch e; false on a timeout (recorded) or a broken workspace.
-__device__ inline bool poll_packet(const PurlinSnacParams& p, const char* pk, uint32_t e, long long index,
-                                   long long peer, uint64_t* out) {
-  uint4 v = ld_packet(pk);
-  if (v.y != e || v.w != e) {
-    const long long* err = reinterpret_cast<const long long*>(static_cast<const char*>(p.bases[p.rank]) + p.error_off);
-    const unsigned long long t0 = globaltimer();
-    for (unsigned n = 1;; ++n) {
-      v = ld_packet(pk);
-      if (v.y == e && v.w == e) break;
-      if ((n & 255u) == 0) {
-        if (ld_relaxed_sys(err) != 0) return false;
-        if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
-          record_timeout(p, index, kPacketKind, peer, 0, e, v.y);
-          return false;
+__device__ __forceinline__ bool packet_ready(const uint4& v, uint32_t e) { return v.y == e && v.w == e; }
+
+// The producer of a window source ref, or -1 for a direct one.
+__device__ __forceinline__ int window_producer(long long ref) {
+  const unsigned long long u = static_cast<unsigned long long>(ref);
+  return int(u >> 62) == kWindow ? int((u >> 48) & 0x3fff) : -1;
+}
+
+// Re-poll packet `off` of the window sources in `pending` (bit s: source s, at src[s]) until each
+// carries epoch e; false on a timeout (recorded, naming the first producer still missing: source s
+// of record `o`) or a broken workspace.
+__device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const long long* o, const char* const* src,
+                                          size_t off, unsigned pending, uint32_t e, long long index, uint4* v) {
+  const long long* err = reinterpret_cast<const long long*>(static_cast<const char*>(p.bases[p.rank]) + p.error_off);
+  const unsigned long long t0 = globaltimer();
+  for (unsigned n = 1; pending != 0u; ++n) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if (pending & (1u << s)) {
+        v[s] = ld_packet(src[s] + off);
+        if (packet_ready(v[s], e)) pending &= ~(1u << s);
+      }
+    }
+    if (pending != 0u && (n & 255u) == 0) {
+      if (ld_relaxed_sys(err) != 0) return false;
+      if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
+        int miss = 0;  // the first source still missing (constant indices keep v[] in registers)
+        uint32_t seen = 0;
+#pragma unroll
+        for (int s = 7; s >= 0; --s) {
+          if (pending & (1u << s)) {
+            miss = s;
+            seen = v[s].y;
+          }
         }
+        record_timeout(p, index, kPacketKind, window_producer(o[3 + miss]), 0, e, seen);
+        return false;
       }
     }
   }
-  *out = uint64_t(v.x) | (uint64_t(v.z) << 32);
   return true;
 }
 
@@ -123,33 +148,69 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
   const int k = int((o[0] >> 16) & 0xff);
   char* dst = resolve(p, o[1]);
   const char* src[8];
-  int peer[8];  // the producer of a window source, -1 for a direct one
-  for (int s = 0; s < k && s < 8; ++s) {
-    const unsigned long long ref = static_cast<unsigned long long>(o[3 + s]);
-    peer[s] = int(ref >> 62) == kWindow ? int((ref >> 48) & 0x3fff) : -1;
-    src[s] = peer[s] >= 0 ? window(p, p.rank, peer[s], e) : resolve(p, o[3 + s]);
+  unsigned windows = 0;  // bit s: source s is a window (packets), else read directly
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const int peer = s < k ? window_producer(o[3 + s]) : -1;
+    if (peer >= 0) windows |= 1u << s;
+    src[s] = s >= k ? nullptr : peer >= 0 ? window(p, p.rank, peer, e) : resolve(p, o[3 + s]);
   }
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
-    Acc acc[kE];
-    for (int s = 0; s < k; ++s) {
-      uint64_t w;
-      if (peer[s] >= 0) {
-        if (!poll_packet(p, src[s] + j * kPacketBytes, e, index, peer[s], &w)) return false;
-      } else {
-        w = load_payload(src[s], j, n);
-      }
+    const size_t off = j * kPacketBytes;
+    uint4 v[8];
 #pragma unroll
-      for (int x = 0; x < kE; ++x) {
-        const Acc v = N::to_acc(static_cast<Bits>(w >> (8 * sizeof(Bits) * x)));
-        acc[x] = s == 0 ? v : atoms::Combine<O>::apply(acc[x], v);
+    for (int s = 0; s < 8; ++s) {  // every window load in flight before the first flag check
+      if (windows & (1u << s)) v[s] = ld_packet(src[s] + off);
+    }
+    unsigned pending = 0;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if ((windows & (1u << s)) && !packet_ready(v[s], e)) pending |= 1u << s;
+    }
+    if (pending != 0u && !poll_pending(p, o, src, off, pending, e, index, v)) return false;
+    Acc acc[kE];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      if (s < k) {
+        const uint64_t w = (windows & (1u << s)) ? (uint64_t(v[s].x) | (uint64_t(v[s].z) << 32))
+                                                 : load_payload(src[s], j, n);
+#pragma unroll
+        for (int x = 0; x < kE; ++x) {
+          const Acc a = N::to_acc(static_cast<Bits>(w >> (8 * sizeof(Bits) * x)));
+          acc[x] = s == 0 ? a : atoms::Combine<O>::apply(acc[x], a);
+        }
       }
     }
     uint64_t out = 0;
 #pragma unroll
     for (int x = 0; x < kE; ++x) out |= uint64_t(N::from_acc(acc[x])) << (8 * sizeof(Bits) * x);
     store_payload(dst, j, n, out);
+  }
+  return true;
+}
+
+// PACKET_COPY: w1 dst ref, w2 bytes, w3 src ref (a window: that producer's packets; else direct).
+__device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
+  const size_t n = size_t(o[2]);
+  char* dst = resolve(p, o[1]);
+  const int peer = window_producer(o[3]);
+  const char* src[1] = {peer >= 0 ? window(p, p.rank, peer, e) : resolve(p, o[3])};
+  if (n == 0 || src[0] == dst) return true;
+  const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
+    uint64_t w;
+    if (peer >= 0) {
+      const size_t off = j * kPacketBytes;
+      uint4 v[1] = {ld_packet(src[0] + off)};
+      if (!packet_ready(v[0], e) && !poll_pending(p, o, src, off, 1u, e, index, v)) return false;
+      w = uint64_t(v[0].x) | (uint64_t(v[0].z) << 32);
+    } else {
+      w = load_payload(src[0], j, n);
+    }
+    store_payload(dst, j, n, w);
   }
   return true;
 }
@@ -161,6 +222,41 @@ __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacPa
     case PURLIN_REDUCE_MAX: return packet_reduce<T, atoms::ReduceOp::kMax>(o, p, e, index);
     default: return packet_reduce<T, atoms::ReduceOp::kMin>(o, p, e, index);
   }
+}
+
+
+// The packet kernel: runs a schedule made only of packet ops (the planner's "packet" algorithm),
+// apart from the staged interpreter (snac/interpreter.cuh) so neither carries the other's registers.
+// Each block reads its epoch word at the start and bumps it at its exit; there are no mirrors, no
+// arrival counters and no exit counter. Same grid as the interpreter (p.blocks).
+template <class T>
+__global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_kernel(PurlinSnacParams p) {
+  char* me = own(p);
+  long long* epoch_word = reinterpret_cast<long long*>(me + p.epoch_off) + blockIdx.x;
+  const long long before = *epoch_word;  // loaded together with the error word below
+  if (__syncthreads_or(threadIdx.x == 0 && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) {
+    return;
+  }
+  const uint32_t epoch = uint32_t(before + 1);
+  for (long long i = 0; i < p.n_ops; ++i) {
+    const long long* o = p.ops + i * kOpWords;
+    switch (int(o[0] & 0xff)) {
+      case kPacketPut: exec_packet_put(o, p, epoch); break;
+      case kPacketReduce:
+        if constexpr (!std::is_same_v<T, void>) {
+          if (__syncthreads_or(!exec_packet_reduce<T>(o, p, epoch, i))) return;
+        }
+        break;
+      case kPacketCopy:
+        if (__syncthreads_or(!exec_packet_copy(o, p, epoch, i))) return;
+        break;
+      default: break;
+    }
+  }
+  __syncthreads();  // every thread of this block has read the epoch (and finished its packets)
+  // A call with no packet op (0 bytes, on every rank alike) is no packet call: it moves no epoch,
+  // since it carries none of the packets the window-reuse argument above relies on.
+  if (threadIdx.x == 0 && p.n_ops > 0) *epoch_word = before + 1;
 }
 
 }  // namespace purlin::snac

@@ -21,7 +21,7 @@ import torch
 
 from .. import native
 from ..errors import PurlinBrokenError, PurlinCudaError, PurlinTimeoutError, PurlinUnavailableError
-from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
+from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule
 from .cuda_ops import KIND_NAMES, encode
 
@@ -31,25 +31,39 @@ TABLE_ARENA_WORDS = 1 << 18  # 2 MiB of op tables per rank, allocated up front; 
 
 
 class _Arena:
-    """Device memory for op tables, allocated when the engine is made (outside any call).
+    """Device memory for op tables, and a pinned host mirror of it, both allocated when the engine
+    is made (outside any call).
 
-    Tables are uploaded into it with a plain host-to-device copy: no device allocation happens on
-    the call path, since in loopback a cudaMalloc while other ranks' kernels run serializes the
-    streams (CUDA's implicit synchronization) and would cost a timeout."""
+    A table is written into the pinned mirror by the host and moved to the device by a one-block
+    copy kernel on the caller's stream. No copy engine and no host-blocking copy is on the call path:
+    a synchronous host-to-device copy blocks this rank's thread until its stream drains, and in
+    loopback (every rank on one GPU) that stalled a peer's launches while its kernels waited for
+    them (the intermittent world-8 timeout of docs/RESULTS.md). No device allocation happens on the
+    call path either: in loopback a cudaMalloc while other ranks' kernels run serializes the streams
+    (CUDA's implicit synchronization) and would cost a timeout. Regions are never reused, so the
+    host never overwrites words a pending copy still reads."""
 
     def __init__(self, device: torch.device, words: int):
-        self.device, self.chunks, self.used = device, [torch.empty(words, dtype=torch.int64, device=device)], 0
+        self.device, self.used = device, 0
+        self.chunks = [torch.empty(words, dtype=torch.int64, device=device)]
+        self.pinned = device.type == "cuda"  # False only for the tests' CPU stand-in
+        self.host = [torch.empty(words, dtype=torch.int64, pin_memory=self.pinned)]
 
-    def put(self, words: np.ndarray) -> torch.Tensor:
+    def put(self, words: np.ndarray, lib: native.NativeLibrary, stream: int) -> torch.Tensor:
+        """The device table of ``words``, its copy enqueued on ``stream``."""
         n = max(1, int(words.size))
         cur = self.chunks[-1]
-        if self.used + n > cur.numel():  # rare: a larger chunk (a device allocation, once)
-            cur = torch.empty(max(2 * cur.numel(), n), dtype=torch.int64, device=self.device)
+        if self.used + n > cur.numel():  # rare: a larger chunk (a device and a pinned allocation, once)
+            size = max(2 * cur.numel(), n)
+            cur = torch.empty(size, dtype=torch.int64, device=self.device)
             self.chunks.append(cur)
+            self.host.append(torch.empty(size, dtype=torch.int64, pin_memory=self.pinned))
             self.used = 0
         view = cur[self.used: self.used + n]
         if words.size:
-            view.copy_(torch.from_numpy(words))
+            staged = self.host[-1][self.used: self.used + n]
+            staged.numpy()[:] = words
+            lib.copy_atom(view.data_ptr(), staged.data_ptr(), n * 8, stream, max_blocks=1)
         self.used += (n + 15) // 16 * 16  # 128-byte aligned tables
         return view
 
@@ -66,7 +80,7 @@ def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int) -> int
         raise PurlinUnavailableError(
             f"cuda engine: {ranks_on_gpu} ranks on one GPU with {sms} SMs cannot all be resident "
             f"({per_sm} interpreter block(s) per SM); use fewer virtual ranks")
-    return min(MAX_BLOCKS, slots)
+    return min(MAX_BLOCKS, EPOCH_WORDS, slots)  # one packet-epoch word per block (memory/layout.py)
 
 
 class CudaEngine:
@@ -108,7 +122,7 @@ class CudaEngine:
 
     # -- tables --------------------------------------------------------------------------------
     def _table(self, sched: Schedule, op: str) -> tuple:
-        """(schedule, table, n_ops, n_updates, tag, table pointer, reduces) of ``sched``, made once."""
+        """(schedule, table, n_ops, n_updates, tag, table pointer, reduces, packets) of ``sched``, made once."""
         e = self._by_id.get(id(sched))
         if e is not None and e[0] is sched:
             return e
@@ -120,9 +134,10 @@ class CudaEngine:
                     f"{op}: this call's schedule (collective, sizes, dtype layout) was not run before the CUDA "
                     "graph capture began; run the same call once outside the capture (warm-up) first")
             enc = encode(sched, self.dlayout)
-            table = self._arena.put(enc.words)
+            table = self._arena.put(enc.words, self.lib, _current_raw_stream(self._index))
             self._names.append(op)
-            e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1, table.data_ptr(), _has_reduce(sched))
+            e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1, table.data_ptr(), _has_reduce(sched),
+                 int(sched.plan.algorithm == "packet"))  # packet plans run the packet kernel (snac/packet.cuh)
             self._by_key[key] = e
         self._by_id[id(sched)] = e if e[0] is sched else (sched,) + e[1:]
         return self._by_id[id(sched)]
@@ -138,7 +153,7 @@ class CudaEngine:
         if e is None or e[0] is not sched:
             e = self._table(sched, ctx.op)
         p = self._params
-        p.ops, p.n_ops, p.n_updates, p.tag = e[5], e[2], e[3], e[4]
+        p.ops, p.n_ops, p.n_updates, p.tag, p.packets = e[5], e[2], e[3], e[4], e[7]
         p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
         p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
         stream = _current_raw_stream(self._index)

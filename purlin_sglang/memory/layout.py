@@ -97,6 +97,7 @@ PACKET_MAX_BYTES = 64 * 1024  # payload per producer of one packet call (latency
 PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
 ERROR_WORDS = 8  # [code, op index, kind, peer, item, rank, target, seen]
+EPOCH_WORDS = 16  # per-block packet epochs: the CUDA engine's grid has at most this many blocks per rank
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class DeviceLayout:
       ``r`` writes or awaits, at the start of the next call (written back by the kernel's last block).
     * ``arrive[ARRIVE_SLOTS]``: monotonic per-op arrival counters ("last block signals", barriers).
     * ``exit``: the kernel's exit arrival counter; ``error``: non-zero once a wait timed out.
-    * ``epoch``: the count of packet calls of this rank (latency regime), bumped at kernel exit.
+    * ``epoch[EPOCH_WORDS]``: per block of the kernel's grid, the count of packet calls it ran (latency
+      regime), bumped by that block at its exit; every block runs every call, so the words agree.
     * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
     * ``window[2][world]``: packet receive windows (written by the producers, pushed), one per
       epoch parity and producer, ``window_bytes`` each: ``PACKET_MAX_BYTES`` of payload as packets.
@@ -177,7 +179,7 @@ class DeviceLayout:
 
     @property
     def signal_bytes(self) -> int:
-        return self.epoch_off + 128
+        return self.epoch_off + EPOCH_WORDS * WORD
 
     @property
     def staging_off(self) -> int:

@@ -54,7 +54,7 @@ enum purlin_reduce_op {
 PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, size_t nbytes, int dtype, int op,
                                   void* stream, int max_blocks);
 
-// ---- SNAC interpreter (ABI 4: packet fields) ---------------------------------------------------------------
+// ---- SNAC interpreter (ABI 5: per-block packet epochs) -----------------------------------------------------------
 // One launch runs one rank's lowered schedule (purlin_sglang/snac/lower.py), encoded ONCE by the
 // host (purlin_sglang/engines/cuda_ops.py) into a device op table of fixed 12-word int64 records.
 // Every offset comes from the host's DeviceLayout (purlin_sglang/memory/layout.py) through this
@@ -62,10 +62,11 @@ PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, 
 // captured CUDA graph replays correctly; the host passes no sequence number.
 #define PURLIN_SNAC_MAX_RANKS 64
 #define PURLIN_SNAC_OP_WORDS 12
+#define PURLIN_SNAC_EPOCH_WORDS 16  // per-block packet epochs: at most this many blocks per grid
 typedef struct PurlinSnacParams {
   const long long* ops;       // device: n_ops records, then n_updates (byte offset, delta) pairs
   long long n_ops;
-  long long n_updates;        // mirror updates applied by the kernel's last block
+  long long n_updates;        // mirror updates applied by the kernel's last block (0: no exit counter)
   void* input;                // this call's input / output (device)
   void* output;
   void* bases[PURLIN_SNAC_MAX_RANKS];  // every rank's workspace base, as mapped here
@@ -78,8 +79,9 @@ typedef struct PurlinSnacParams {
   long long* host_error;               // host-mapped pinned record (16 words), written on a timeout:
                                        // [1, op index, kind, peer, item, rank, target, seen, tag]
   long long tag;                       // the host's name for this schedule, echoed in the record
-  long long epoch_off;                 // byte offset of my packet-call counter (snac/packet.cuh)
+  long long epoch_off;                 // byte offset of my per-block packet-call counters (snac/packet.cuh)
   long long window_off, window_bytes;  // packet receive windows: [2 parities][world producers] x window_bytes
+  long long packets;                   // 1: the table holds only packet ops: run the packet kernel
 } PurlinSnacParams;
 // Enqueue one rank's schedule on `stream` (asynchronous; safe under CUDA graph capture: one launch,
 // no host sync, no allocation). Returns a cudaError_t (cudaErrorInvalidValue for bad params).
