@@ -352,7 +352,7 @@ class Communicator:
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)
         algorithm = choose_algorithm(spec.with_consume(consume), nbytes, self.config.tuning,
-                                     packets=self._engine_packets)
+                                     packets=self._engine_packets, world=self.world_size)
         pkey = (spec, consume, root, algorithm)
         plan = self._plans.get(pkey)
         if plan is None:

@@ -22,10 +22,12 @@ import numpy as np
 
 from ..errors import PurlinPlanError
 from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
-from ..snac import Buf, Copy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
+from ..snac import (
+    Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal,
+)
 
 OP_WORDS = 12
-COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL, PACKET_PUT, PACKET_REDUCE = 1, 2, 3, 4, 5, 6, 7, 8
+COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL, PACKET_PUT, PACKET_REDUCE, PACKET_COPY = 1, 2, 3, 4, 5, 6, 7, 8, 9
 NOTIFY, ACK, DRAIN, BARRIER_KIND, PACKET_KIND = 0, 1, 2, 3, 4
 KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier", PACKET_KIND: "packet"}
 FLAG_INPLACE_ONLY = 1
@@ -194,6 +196,9 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
                     last[3] += 1
                 else:
                     recs.append([PACKET_PUT, _ref(op.src), op.src.nbytes, 1, op.peer])
+        elif isinstance(op, PacketCopy):  # dst ref, bytes, src ref (a window, or my own input)
+            if op.dst.nbytes:
+                recs.append([PACKET_COPY, _ref(op.dst), op.dst.nbytes, _ref(op.src)])
         elif isinstance(op, PacketReduce):
             rec = _reduce_record(PACKET_REDUCE, op, plan)
             if op.dst.nbytes:
@@ -205,7 +210,7 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
         else:  # pragma: no cover
             raise PurlinPlanError(f"{spec.name}: internal: unknown op {op!r}")
 
-    updates = [dl.epoch_off, 1] if plan.algorithm == "packet" else []  # one packet round per call
+    updates: list[int] = []  # packet epochs are per block, bumped by each block itself (snac/packet.cuh)
     for base, counts in ((dl.sent_off, sent), (dl.expect_off, expect), (dl.acked_off, acked)):
         for (peer, item), n in sorted(counts.items()):
             updates += [dl.word(base, peer, item), n]

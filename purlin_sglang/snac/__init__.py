@@ -1,18 +1,18 @@
 """SNAC (Stage, Notify, And Consume): the one planner every engine executes."""
 
 from .lower import (
-    Copy, Op, PacketPut, PacketReduce, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal, lower,
-    part_range,
+    Copy, Op, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal,
+    lower, part_range,
 )
 from .plan import (
     Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
 )
-from .planner import choose_algorithm, consumers, make_plan, producers
+from .planner import choose_algorithm, consumers, has_packet_form, make_plan, producers
 from .policy import ALIGN, TuningPolicy
 
 __all__ = [
-    "Copy", "Op", "PacketPut", "PacketReduce", "Push", "Reduce", "Schedule", "Signal", "Sizes", "Span", "WaitDrainAll", "WaitSignal",
-    "lower", "part_range", "Ack", "Buf", "ConsumeStep", "Drain", "DrainAll", "Item", "Notify", "Plan",
-    "RankProgram", "Ref", "Stage", "Step", "Wait", "choose_algorithm", "consumers", "make_plan",
-    "producers", "ALIGN", "TuningPolicy",
+    "Copy", "Op", "PacketCopy", "PacketPut", "PacketReduce", "Push", "Reduce", "Schedule", "Signal", "Sizes",
+    "Span", "WaitDrainAll", "WaitSignal", "lower", "part_range", "Ack", "Buf", "ConsumeStep", "Drain", "DrainAll",
+    "Item", "Notify", "Plan", "RankProgram", "Ref", "Stage", "Step", "Wait", "choose_algorithm", "consumers",
+    "has_packet_form", "make_plan", "producers", "ALIGN", "TuningPolicy",
 ]

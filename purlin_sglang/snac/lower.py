@@ -89,6 +89,16 @@ class PacketPut:
 
 
 @dataclass(frozen=True)
+class PacketCopy:
+    """Copy ``src`` into ``dst``: a WINDOW source (``Span(WINDOW, p, 0, n)``) is the packets rank ``p``
+    pushed to me in this call, waited for packet by packet; any other is a span of my own input, copied
+    with the same per-thread packet mapping (so ``dst`` may be that very span: in place)."""
+
+    dst: Span
+    src: Span
+
+
+@dataclass(frozen=True)
 class PacketReduce:
     """Reduce in rank order into ``dst``; a source with buf WINDOW (``Span(WINDOW, p, 0, n)``) is the
     packets rank ``p`` pushed to me in this call, waited for packet by packet."""
@@ -98,7 +108,7 @@ class PacketReduce:
     srcs: tuple[Span, ...]
 
 
-Op = Union[Copy, Reduce, Signal, WaitSignal, WaitDrainAll, PacketPut, PacketReduce]
+Op = Union[Copy, Reduce, Signal, WaitSignal, WaitDrainAll, PacketPut, PacketCopy, PacketReduce]
 
 
 @dataclass(frozen=True)
@@ -164,18 +174,25 @@ def _trips(length: int, chunk: int) -> int:
     return max(1, -(-length // chunk))
 
 
+def _size_mismatch(plan: Plan, src: Ref, got: int, dst: Ref, want: int) -> PurlinPlanError:
+    return PurlinPlanError(f"{plan.spec.name}: rank {plan.rank} reads {got} bytes from {src} into {want} bytes "
+                           f"of {dst}; the sizes do not match")
+
+
 def _window_region(plan: Plan, r: "_Resolver", ref: Ref) -> tuple[int, int]:
     """(offset, length) of ``ref``, refused if it does not fit one packet receive window."""
     off, n = r.region(ref)
     if n > PACKET_WINDOW_BYTES:
         raise PurlinPlanError(
-            f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call, "
-            f"rank {plan.rank} has {n}; use tuning.algorithm='auto' or a smaller tuning.packet_max_bytes")
+            f"{plan.spec.name}: the packet protocol carries at most {PACKET_WINDOW_BYTES} bytes per call "
+            f"from one rank to another, rank {plan.rank} has {n}; use tuning.algorithm='auto' or a smaller "
+            "tuning.packet_max_bytes")
     return off, n
 
 
 def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
-    """The packet plan: one round, no chunks (the payload fits one receive window)."""
+    """The packet plan: one round, no chunks (each push fits one receive window). A window holds
+    what its producer pushed me, as long as the region it lands in (the naming's sizes agree)."""
     me, world = plan.rank, plan.world
     send, recv = [0] * world, [0] * world
     ops: list[Op] = []
@@ -191,10 +208,16 @@ def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
                 if x.buf is Buf.WINDOW:
                     srcs.append(Span(Buf.WINDOW, x.rank, 0, n))
                     recv[x.rank] += n
-                else:
-                    xo, xn = r.region(x)
-                    srcs.append(Span(x.buf, me, xo, xn))
-            ops.append(PacketReduce(s.consume.reduce, Span(Buf.OUTPUT, me, off, n), tuple(srcs)))
+                    continue
+                xo, xn = r.region(x)
+                if xn != n:
+                    raise _size_mismatch(plan, x, xn, s.dst, n)
+                srcs.append(Span(x.buf, me, xo, xn))
+            dst = Span(Buf.OUTPUT, me, off, n)
+            if s.consume.is_copy:
+                ops.append(PacketCopy(dst, srcs[0]))
+            else:
+                ops.append(PacketReduce(s.consume.reduce, dst, tuple(srcs)))
         else:  # pragma: no cover - the planner emits nothing else for packets
             raise PurlinPlanError(f"{plan.spec.name}: internal: step {s} in a packet plan")
     return Schedule(plan, sizes, tuple(ops), tuple(send), tuple(recv), 0)
@@ -237,10 +260,7 @@ def lower(plan: Plan, sizes: Sizes) -> Schedule:
             ln = r.length(s.dst)
             for src in s.srcs:
                 if src.buf is not Buf.STAGE and r.length(src) != ln:
-                    raise PurlinPlanError(
-                        f"{plan.spec.name}: rank {me} reads {r.length(src)} bytes from {src} into "
-                        f"{ln} bytes of {s.dst}; the sizes do not match"
-                    )
+                    raise _size_mismatch(plan, src, r.length(src), s.dst, ln)
         lengths.append(ln)
         if isinstance(s, Notify):
             for p in s.peers:

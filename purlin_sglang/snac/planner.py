@@ -7,10 +7,11 @@ copies or reduces them into its output. Two shapes of program come out:
 
 * ``oneshot`` (latency regime, and every copy collective): each consumer reads
   every producer's contribution directly, one step.
-* ``packet`` (latency regime of all_reduce-like reductions, engines with the packet
-  protocol): each producer pushes its input into every consumer's receive window as
-  flag-in-data packets; consumers reduce straight from their windows. No staging, no
-  signals, no acks: one step, twice the bytes.
+* ``packet`` (latency regime of every fixed-size collective in which every rank sends to
+  every other rank, engines with the packet protocol): each producer pushes what the naming
+  sends each consumer into that consumer's receive window as flag-in-data packets; consumers
+  copy or reduce straight from their windows. No staging, no signals, no acks: one step,
+  twice the bytes.
 * ``twoshot`` (partitioned; reductions into a packed output that every rank
   receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
   reduces part ``q`` from everyone into a staging item, then every rank copies
@@ -45,26 +46,52 @@ def max_items(world: int) -> int:
     return world + 1
 
 
-def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False) -> str:
-    """The regime of one call. ``packets``: the engine runs the packet protocol (else ``packet``
-    becomes ``oneshot``, the same result bitwise). Only reductions of a packed payload into a packed
-    output on every rank have a choice; everything else is ``oneshot``."""
+def has_packet_form(spec: CollectiveSpec) -> bool:
+    """Whether ``spec`` may run the packet protocol: fixed sizes, and every rank pushes to every other.
+
+    * V forms never: all ranks must agree on the algorithm without exchanging sizes (a packet call
+      advances every rank's epoch, a staged one does not), and V sizes differ per rank.
+    * Rooted forms never: a window parity is rewritten two packet calls later, which is safe only
+      because each producer, in the packet call in between, waits for packets its consumer sent after
+      finishing the earlier call. That needs a push between every ordered pair of ranks in every
+      packet call; the root of a rooted input (or the other ranks of a rooted output) would wait
+      for nobody and could overwrite a window its reader has not read yet.
+    """
+    return not spec.variable and not spec.rooted
+
+
+def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> int:
+    """The largest single push of a call whose input is ``nbytes`` bytes on this rank: a sliced
+    input sends one slice per consumer (``world`` None counts the whole input: never smaller)."""
+    return -(-nbytes // world) if spec.input.sliced and world else nbytes
+
+
+def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
+                     world: int | None = None) -> str:
+    """The regime of one call; ``nbytes``: this rank's input bytes, ``world``: the group size.
+
+    ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
+    result bitwise). Collectives with a packet form (:func:`has_packet_form`) take ``packet`` when
+    forced, or under ``auto`` when the largest push fits ``packet_max_bytes`` (and the window).
+    Beyond that, only reductions of a packed payload into a packed output on every rank have a
+    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``."""
+    algorithm = policy.algorithm
+    if packets and algorithm in ("auto", "packet") and has_packet_form(spec):
+        if algorithm == "packet":
+            return "packet"
+        limit = min(policy.packet_max_bytes, PACKET_WINDOW_BYTES)
+        if nbytes is not None and packet_push_bytes(spec, nbytes, world) <= limit:
+            return "packet"
     reduce_all = (
         not spec.consume.is_copy
         and not spec.input.sliced
         and not spec.output.sliced
         and not spec.rooted
     )
-    if not reduce_all or policy.algorithm == "oneshot":
+    if not reduce_all or algorithm in ("oneshot", "packet"):
         return "oneshot"
-    if policy.algorithm == "packet":
-        return "packet" if packets else "oneshot"
-    if policy.algorithm == "twoshot":
+    if algorithm == "twoshot" or nbytes is None:  # size resolved later (e.g. on device): bounded traffic
         return "twoshot"
-    if nbytes is None:  # size resolved later (e.g. on device): bounded traffic per rank
-        return "twoshot"
-    if packets and nbytes <= min(policy.packet_max_bytes, PACKET_WINDOW_BYTES):
-        return "packet"
     return "oneshot" if nbytes <= policy.oneshot_max_bytes else "twoshot"
 
 
@@ -94,9 +121,9 @@ def make_plan(
             raise PurlinPlanError(f"{spec.name}: needs a root rank in [0, {world}), got {root!r}")
     else:
         root = None
-    algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet")
+    algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet", world=world)
     if algorithm == "packet":
-        body = _packet(spec, world, rank)
+        body = _packet(spec, world, rank, root)
         program = RankProgram(rank, (), (), tuple(body))
         notes = (f"flag-in-data packets pushed into each consumer's window; at most {PACKET_WINDOW_BYTES} "
                  "payload bytes per call",)
@@ -120,6 +147,27 @@ def make_plan(
     return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
 
 
+def _sent(spec: CollectiveSpec, me: int, c: int) -> Ref:
+    """What I send consumer ``c``: my input slice ``c``, or my whole packed input."""
+    return Ref(Buf.INPUT, me, c if spec.input.sliced else None)
+
+
+def _consume(spec: CollectiveSpec, me: int, prods: tuple[int, ...], remote) -> list[ConsumeStep]:
+    """My consume steps: each producer's contribution (``remote(p)`` for a peer, my own input for
+    me) copied into its landing region, or all of them reduced in rank order into my output."""
+    def source(p: int) -> Ref:
+        return _sent(spec, me, me) if p == me else remote(p)
+
+    if spec.output.sliced or spec.consume.is_copy:
+        return [ConsumeStep(COPY, _landing(spec, me, p), (source(p),)) for p in prods]
+    return [ConsumeStep(spec.consume, _landing(spec, me, prods[0]), tuple(source(p) for p in prods))]
+
+
+def _landing(spec: CollectiveSpec, me: int, p: int) -> Ref:
+    """Where producer ``p``'s contribution lands in my output: slice ``p``, or the whole output."""
+    return Ref(Buf.OUTPUT, me, p if spec.output.sliced else None)
+
+
 def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
     """Every consumer reads each producer's contribution straight from the producer's staging."""
     prods = producers(spec, world, root)
@@ -131,7 +179,7 @@ def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
         if spec.input.sliced:
             for c in cons:
                 if c != me:
-                    items.append(Item(c, Ref(Buf.INPUT, me, c), (c,)))
+                    items.append(Item(c, _sent(spec, me, c), (c,)))
         else:
             readers = tuple(c for c in cons if c != me)
             if readers:
@@ -143,34 +191,29 @@ def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
     # Consume: where each producer's contribution lands in my output.
     if me in cons:
         item_for_me = me if spec.input.sliced else 0
-
-        def source(p: int) -> Ref:
-            if p == me:
-                return Ref(Buf.INPUT, me, me if spec.input.sliced else None)
-            return Ref(Buf.STAGE, p, item_for_me)
-
-        def landing(p: int) -> Ref:
-            return Ref(Buf.OUTPUT, me, p if spec.output.sliced else None)
-
         remote = [p for p in prods if p != me]
         for p in remote:
-            body.append(Wait(p, item_for_me, landing(p)))
-        if spec.output.sliced or spec.consume.is_copy:
-            for p in prods:
-                body.append(ConsumeStep(COPY, landing(p), (source(p),)))
-        else:
-            body.append(ConsumeStep(spec.consume, landing(prods[0]), tuple(source(p) for p in prods)))
+            body.append(Wait(p, item_for_me, _landing(spec, me, p)))
+        body += _consume(spec, me, prods, lambda p: Ref(Buf.STAGE, p, item_for_me))
         for p in remote:
-            body.append(Ack(p, item_for_me, landing(p)))
+            body.append(Ack(p, item_for_me, _landing(spec, me, p)))
     return items, body, ()
 
 
-def _packet(spec: CollectiveSpec, world: int, me: int) -> list[Step]:
-    """Push my input to every other rank's window, then reduce everyone's packets in rank order."""
-    mine = Ref(Buf.INPUT, me, None)
-    body: list[Step] = [Push(mine, (me + d) % world) for d in range(1, world)]  # rotated: start at me + 1
-    srcs = tuple(mine if p == me else Ref(Buf.WINDOW, p) for p in range(world))
-    body.append(ConsumeStep(spec.consume, Ref(Buf.OUTPUT, me, None), srcs))
+def _packet(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:
+    """Push what I send each consumer into its window (rotated: start at me + 1), then consume the
+    packets each producer pushed to me: one copy per producer, or one reduce in rank order."""
+    prods, cons = producers(spec, world, root), consumers(spec, world, root)
+    body: list[Step] = []
+    if me in prods:
+        body += [Push(_sent(spec, me, c), c) for c in ((me + d) % world for d in range(1, world)) if c in cons]
+    if me in cons:
+        body += _consume(spec, me, prods, lambda p: Ref(Buf.WINDOW, p))
+    peers = [s.peer for s in body if isinstance(s, Push)]
+    windows = [x.rank for s in body if isinstance(s, ConsumeStep) for x in s.srcs if x.buf is Buf.WINDOW]
+    if len(set(peers)) < len(peers) or len(set(windows)) < len(windows):  # the window is per producer
+        raise PurlinPlanError(f"{spec.name}: the packet protocol carries one region from each producer to each "
+                              "consumer per call; use tuning.algorithm='oneshot'")
     return body
 
 

@@ -7,18 +7,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
-PACKET_WINDOW_BYTES = 64 * 1024  # payload one packet call may carry per rank (memory.layout.PACKET_MAX_BYTES)
+PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (layout.PACKET_MAX_BYTES)
 
 
 class TuningPolicy(BaseModel):
     """How the planner chooses between the latency and the throughput regime.
 
-    * ``algorithm``: for reductions into a packed output on every rank (all_reduce),
-      ``auto`` picks ``packet`` up to ``packet_max_bytes`` of payload where the engine has
-      the packet protocol (the CUDA engine; the CPU engine runs ``oneshot`` instead, with
-      bitwise the same result), ``oneshot`` up to ``oneshot_max_bytes``, else ``twoshot``
-      (also when the size is unknown on the host); ``packet`` / ``oneshot`` / ``twoshot``
-      force one (``packet`` only up to 64 KiB, the size of a receive window).
+    * ``algorithm``: where the engine has the packet protocol (the CUDA engine; the CPU engine
+      runs ``oneshot`` instead, with bitwise the same result), ``auto`` picks ``packet`` for
+      every collective with a packet form (fixed sizes, not rooted: all_reduce, all_gather,
+      reduce_scatter, all_to_all and user namings like them) while the largest single push
+      (the input, or one slice of a sliced input) is at most ``packet_max_bytes``. Otherwise,
+      for reductions into a packed output on every rank (all_reduce), ``oneshot`` up to
+      ``oneshot_max_bytes``, else ``twoshot`` (also when the size is unknown on the host);
+      everything else runs ``oneshot``. ``packet`` / ``oneshot`` / ``twoshot`` force one where
+      the collective has it (``packet`` only up to 64 KiB per push, the size of a receive
+      window; larger calls are refused), else ``oneshot``.
     * ``slots``: staging slots per item, used cyclically (2 = double buffering).
     * ``max_chunk_bytes``: the largest chunk; chunks are otherwise as large as the
       staging budget allows, so small payloads run in a single chunk.

@@ -126,6 +126,10 @@ REDUCING = ("all_reduce", "reduce_scatter", "reduce_scatter_v", "reduce")
 ROOTED = ("broadcast", "gather", "reduce", "scatter")
 
 
+FIXED = tuple(c for c in COLLECTIVES if not c.endswith("_v"))  # the non-V collectives, user specs included
+PACKET_FORMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # snac.has_packet_form
+
+
 def user_spec(name: str):
     from purlin_sglang.collectives import COPY, PACKED, REDUCE, SCATTERED, CollectiveSpec
 
@@ -265,3 +269,28 @@ def check_case(comm, c: dict, *, paths=("out", "default", "inplace")) -> dict:
         assert_bits_equal(x, want, what + " (in place)")
         got["inplace"] = x
     return got
+
+
+def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list[dict]:
+    """Every non-V collective at 0 bytes, 1 element, odd byte counts and a full 64 KiB receive window
+    per push (``rows`` is per slice for sliced inputs); ``staged``: V calls (never packets) interleaved;
+    ``large``: and, midway, two payloads past a window (``auto`` stages them; forced packets refuse them)."""
+    cases = []
+    for i, coll in enumerate(FIXED):
+        red = coll in REDUCING
+        sizes = [(torch.float32, 0, 4, "sum"),
+                 (torch.float16 if red else torch.int8, 1, None, "max"),  # 2 bytes / 1 byte
+                 (torch.bfloat16 if red else torch.uint8, 3, 5, "min"),  # 30 / 15 bytes
+                 (torch.float16 if red else torch.int16, 33, 65, "sum"),  # 4290 bytes
+                 (torch.float32, 16, 1024, "max")]  # 65536 bytes: a full window
+        cases += [case(coll, dt, rows=rows, width=width, op=op if red else None, seed=seed + 10 * i + j,
+                       root=(seed + j) % 2, salt=j) for j, (dt, rows, width, op) in enumerate(sizes)]
+    if staged:
+        extra = [case(coll, torch.float32, rows=3, width=7, seed=seed + 100 + i, salt=i)
+                 for i, coll in enumerate(c for c in COLLECTIVES if c.endswith("_v"))]
+        cases = [c for pair in zip(cases, extra * len(cases)) for c in pair]
+    if large:
+        half = len(cases) // 2
+        cases[half:half] = [case("all_reduce", torch.float32, rows=1024, width=80, seed=seed + 200),
+                            case("all_gather", torch.bfloat16, rows=256, width=129, seed=seed + 201)]
+    return cases

@@ -5,6 +5,7 @@ calls in a row (mirrors and counters carried across calls, as on the device)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,15 +15,15 @@ import torch
 
 import purlin_sglang as ps
 import purlin_sglang.api as api
-from _torch_reference import COLLECTIVES, case, check_case
+from _torch_reference import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang.engines import cuda_ops as co
-from purlin_sglang.memory.layout import DeviceLayout
+from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
 
 _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
 _SHARED: dict = {}
 _LOCK = threading.Lock()
-_RAN: list = []  # the algorithm of every schedule the model ran
+_RAN: list = []  # (collective, algorithm) of every schedule the model ran
 
 
 class _Sim:
@@ -39,7 +40,7 @@ class _Sim:
                 _SHARED[id(ws)] = ([np.zeros(n, dtype=np.int64) for _ in range(world)],
                                    [torch.zeros(self.dl.staging_bytes, dtype=torch.uint8) for _ in range(world)])
             self.words, self.stage = _SHARED[id(ws)]
-            self.windows = _SHARED.setdefault(("windows", id(ws)), {})  # (owner, parity, producer) -> (epoch, bytes)
+            self.windows = _SHARED.setdefault(("windows", id(ws)), {})  # (owner, parity, producer): [epoch, data, read]
 
     def mark_broken(self, reason):
         self.broken = reason
@@ -60,6 +61,44 @@ class _Sim:
     def _w(self, rank, off, peer, item):
         return self.dl.word(off, peer, item) // 8
 
+    def _reduce(self, o, sub, srcs, ctx):
+        """REDUCE / PACKET_REDUCE: rank order, 16-bit floats accumulated in f32 (the atoms' rule)."""
+        dt, op = ctx.dtype, _REDOPS[sub]
+        acc_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        vals = [v.view(dt).to(acc_dt) for v in srcs]
+        acc = vals[0].clone()
+        for v in vals[1:]:
+            acc = acc + v if op is ReduceOp.SUM else torch.maximum(acc, v) if op is ReduceOp.MAX \
+                else torch.minimum(acc, v)
+        self._span(o[1], o[2], ctx).view(dt).copy_(acc.to(dt))
+
+    def _push(self, o, e, ctx):
+        """PACKET_PUT: the payload, whole, into each consumer's window [parity][me] with epoch e; a
+        window is written once per call and never before its reader has read the previous one."""
+        assert o[2] <= PACKET_MAX_BYTES, o
+        with _LOCK:
+            for peer in o[4: 4 + o[3]]:
+                key = (peer, e & 1, self.rank)
+                old = self.windows.get(key)
+                assert old is None or (old[0] != e and old[2]), f"sim rank {self.rank}: window {key} of epoch " \
+                    f"{old and old[0]} {'pushed twice' if old and old[0] == e else 'overwritten unread'} (epoch {e})"
+                self.windows[key] = [e, self._span(o[1], o[2], ctx).clone(), False]
+
+    def _packets(self, ref, e, n, ctx):
+        """A packet op's source: a window (wait for its producer's packets of epoch e), else a direct span."""
+        u = ref & ((1 << 64) - 1)
+        if u >> 62 != 3:
+            return self._span(ref, n, ctx)
+        key, t0 = (self.rank, e & 1, (u >> 48) & 0x3FFF), time.monotonic()
+        while self.windows.get(key, (0,))[0] != e:
+            if time.monotonic() - t0 > 20:
+                raise TimeoutError(f"sim rank {self.rank}: no packets {key} of epoch {e}")
+            time.sleep(0)
+        win = self.windows[key]
+        assert win[1].numel() == n and u & ((1 << 48) - 1) == 0, (win[1].numel(), n, u)
+        win[2] = True
+        return win[1]
+
     def _wait(self, rank_words, idx, target):
         t0 = time.monotonic()
         while rank_words[idx] < target:
@@ -68,26 +107,19 @@ class _Sim:
             time.sleep(0)
 
     def execute(self, sched, ctx):
-        _RAN.append(sched.plan.algorithm)
+        _RAN.append((sched.plan.spec.name, sched.plan.algorithm))
         enc = co.encode(sched, self.dl)
         me, W, dl = self.rank, self.words, self.dl
         mine = W[me]
         start = mine.copy()  # mirrors as read at kernel start
+        packet_call = False
         for i in range(enc.n_ops):
             o = [int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]]
             code, sub, nsrc = o[0] & 0xFF, (o[0] >> 8) & 0xFF, (o[0] >> 16) & 0xFF
             if code == co.COPY:
                 self._span(o[1], o[3], ctx).copy_(self._span(o[2], o[3], ctx))
             elif code == co.REDUCE:
-                dt = ctx.dtype
-                acc_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
-                vals = [self._span(o[3 + s], o[2], ctx).view(dt).to(acc_dt) for s in range(nsrc)]
-                acc = vals[0].clone()
-                for v in vals[1:]:
-                    op = _REDOPS[sub]
-                    acc = acc + v if op is ReduceOp.SUM else torch.maximum(acc, v) if op is ReduceOp.MAX \
-                        else torch.minimum(acc, v)
-                self._span(o[1], o[2], ctx).view(dt).copy_(acc.to(dt))
+                self._reduce(o, sub, [self._span(src, o[2], ctx) for src in o[3: 3 + nsrc]], ctx)
             elif code == co.SIGNAL:
                 peer, item, k = o[1], o[2], o[4]
                 if sub == co.NOTIFY:
@@ -102,41 +134,23 @@ class _Sim:
                 else:
                     self._wait(mine, self._w(me, dl.ack_off, peer, item),
                                start[self._w(me, dl.sent_off, peer, item)] + k)
-            elif code in (co.PACKET_PUT, co.PACKET_REDUCE):
-                e = int(start[dl.epoch_off // 8]) + 1
+            elif code in (co.PACKET_PUT, co.PACKET_REDUCE, co.PACKET_COPY):
+                e = int(start[dl.epoch_off // 8]) + 1  # the model runs one block: block 0's epoch word
+                packet_call = True
                 if code == co.PACKET_PUT:
-                    with _LOCK:
-                        for peer in o[4: 4 + o[3]]:
-                            self.windows[(peer, e & 1, me)] = (e, self._span(o[1], o[2], ctx).clone())
+                    self._push(o, e, ctx)
+                elif code == co.PACKET_COPY:  # dst ref, bytes, src ref (a window or my own input)
+                    self._span(o[1], o[2], ctx).copy_(self._packets(o[3], e, o[2], ctx))
                 else:
-                    dt, n = ctx.dtype, o[2]
-                    acc_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
-                    vals = []
-                    for src in o[3: 3 + nsrc]:
-                        u = src & ((1 << 64) - 1)
-                        if u >> 62 == 3:  # a window: wait for the producer's packets of epoch e
-                            key, t0 = (me, e & 1, (u >> 48) & 0x3FFF), time.monotonic()
-                            while self.windows.get(key, (0,))[0] != e:
-                                if time.monotonic() - t0 > 20:
-                                    raise TimeoutError(f"sim rank {me}: no packets {key} of epoch {e}")
-                                time.sleep(0)
-                            got = self.windows[key][1]
-                            assert got.numel() == n, (got.numel(), n)
-                            vals.append(got.view(dt).to(acc_dt))
-                        else:
-                            vals.append(self._span(src, n, ctx).view(dt).to(acc_dt))
-                    acc = vals[0].clone()
-                    for v in vals[1:]:
-                        op = _REDOPS[sub]
-                        acc = acc + v if op is ReduceOp.SUM else torch.maximum(acc, v) if op is ReduceOp.MAX \
-                            else torch.minimum(acc, v)
-                    self._span(o[1], n, ctx).view(dt).copy_(acc.to(dt))
+                    self._reduce(o, sub, [self._packets(src, e, o[2], ctx) for src in o[3: 3 + nsrc]], ctx)
             elif code == co.DRAINALL:
                 for peer in range(self.world):
                     for item in range(o[1]):
                         if peer != me:
                             self._wait(mine, self._w(me, dl.ack_off, peer, item),
                                        start[self._w(me, dl.sent_off, peer, item)])
+        if packet_call:  # each block bumps its own epoch word at its exit
+            mine[dl.epoch_off // 8] += 1
         up = enc.words[enc.n_ops * co.OP_WORDS:]
         for j in range(enc.n_updates):
             mine[int(up[2 * j]) // 8] += int(up[2 * j + 1])
@@ -159,7 +173,34 @@ def test_encoded_tables_compute_every_collective(sim, world, algorithm):
     _RAN.clear()
     ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
     if algorithm in ("auto", "packet"):  # small all_reduces take the packet protocol
-        assert "packet" in _RAN, set(_RAN)
+        assert ("all_reduce", "packet") in _RAN, set(_RAN)
+
+
+SEED = int.from_bytes(os.urandom(3), "little")  # fresh inputs every run; named in failure messages
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("algorithm", ["packet", "auto"])
+def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm):
+    """The encoded packet tables (PACKET_PUT / PACKET_COPY / PACKET_REDUCE) of every collective with a
+    packet form, bitwise the torch reference, out= and in place, interleaved with staged calls; the
+    rooted ones (broadcast in place included) run staged."""
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": {"algorithm": algorithm}}
+    cases = packet_cases(SEED + world, large=algorithm == "auto")  # auto: and payloads past a window
+    _RAN.clear()
+    try:
+        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases],
+                       config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    ran = {}
+    for name, alg in _RAN:
+        ran.setdefault(name, set()).add(alg)
+    want = {coll: {"packet"} if coll in PACKET_FORMS else {"oneshot"} for coll in COLLECTIVES}
+    if algorithm == "auto":
+        want["all_reduce"].add("twoshot")
+        want["all_gather"].add("oneshot")
+    assert ran == want
 
 
 def test_packet_epochs_alternate_windows_over_many_calls(sim):
@@ -176,7 +217,7 @@ def test_packet_epochs_alternate_windows_over_many_calls(sim):
 
     _RAN.clear()
     assert ps.run_virtual(3, fn, config={"timeout_s": 20}) == [0, 0, 0]
-    assert _RAN.count("packet") == 36, _RAN
+    assert _RAN.count(("all_reduce", "packet")) == 36, _RAN
 
 
 def test_barriers_guard_own_shard_and_in_place_only_where_needed():
@@ -201,7 +242,7 @@ def test_barriers_guard_own_shard_and_in_place_only_where_needed():
     assert 0 in barriers(two)  # the copy out of my own reduced shard waits for every block's reduce
 
 
-def test_packet_schedule_encodes_one_put_record_for_every_consumer_and_bumps_the_epoch():
+def test_packet_schedule_encodes_one_put_record_for_every_consumer_and_no_mirror_updates():
     from purlin_sglang.collectives import ALL_REDUCE
     from purlin_sglang.snac import Sizes, lower, make_plan
     from purlin_sglang.snac.policy import TuningPolicy
@@ -217,4 +258,40 @@ def test_packet_schedule_encodes_one_put_record_for_every_consumer_and_bumps_the
     assert (red[0] >> 16) & 0xFF == 8 and red[2] == 8190
     assert [((r & ((1 << 64) - 1)) >> 62, (r >> 48) & 0x3FFF) for r in red[3:11]] == \
         [(3, 0), (3, 1), (3, 2), (0, 3), (3, 4), (3, 5), (3, 6), (3, 7)]  # windows, my own input in rank order
-    assert enc.n_updates == 1 and list(enc.words[-2:]) == [dl.epoch_off, 1]
+    assert enc.n_updates == 0  # no exit counter: each block bumps its own epoch word
+
+
+def _records(sched, dl):
+    enc = co.encode(sched, dl)
+    assert enc.n_updates == 0 and enc.n_barriers == 0  # packets: no mirrors, no barriers
+    return [[int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]] for i in range(enc.n_ops)]
+
+
+def _buf_rank(ref: int) -> tuple[int, int, int]:
+    u = ref & ((1 << 64) - 1)
+    return u >> 62, (u >> 48) & 0x3FFF, u & ((1 << 48) - 1)
+
+
+def test_packet_copy_records_of_all_gather_and_all_to_all():
+    """PACKET_COPY = [9, dst ref, bytes, src ref]: one per producer in rank order, from its window or
+    (mine) from my own input; a packed input's pushes share one PACKET_PUT, a sliced one's do not."""
+    from purlin_sglang.collectives import ALL_GATHER, ALL_TO_ALL
+    from purlin_sglang.snac import Sizes, lower, make_plan
+    from purlin_sglang.snac.policy import TuningPolicy
+
+    dl, n, pol = DeviceLayout(4, 1 << 16), 8190, TuningPolicy(algorithm="packet")
+    ag = _records(lower(make_plan(ALL_GATHER, 4, 1, staging_bytes=1 << 16, policy=pol),
+                        Sizes((n,), (n,) * 4)), dl)
+    assert [r[0] for r in ag] == [co.PACKET_PUT] + [co.PACKET_COPY] * 4
+    assert ag[0][2:8] == [n, 3, 2, 3, 0, 0] and _buf_rank(ag[0][1]) == (0, 1, 0)
+    for p, rec in enumerate(ag[1:]):
+        assert rec[2] == n and rec[4:] == [0] * (co.OP_WORDS - 4)
+        assert _buf_rank(rec[1]) == (1, 1, p * n)  # OUTPUT slice p
+        assert _buf_rank(rec[3]) == ((0, 1, 0) if p == 1 else (3, p, 0))  # my INPUT, else WINDOW p
+    a2a = _records(lower(make_plan(ALL_TO_ALL, 4, 1, staging_bytes=1 << 16, policy=pol),
+                         Sizes((n,) * 4, (n,) * 4)), dl)
+    assert [r[0] for r in a2a] == [co.PACKET_PUT] * 3 + [co.PACKET_COPY] * 4
+    assert [(r[3], r[4], _buf_rank(r[1])) for r in a2a[:3]] == [(1, c, (0, 1, c * n)) for c in (2, 3, 0)]
+    assert _buf_rank(a2a[4][3]) == (0, 1, n)  # my own slice 1 of my input, into output slice 1
+    empty = lower(make_plan(ALL_GATHER, 4, 1, staging_bytes=1 << 16, policy=pol), Sizes((0,), (0,) * 4))
+    assert _records(empty, dl) == []  # no packet record: the call leaves the epoch alone on every rank

@@ -12,60 +12,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+sys.path.insert(0, os.path.dirname(__file__))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import (  # noqa: E402
-    COLLECTIVES, OPS, REDUCE_DTYPES, REDUCING, assert_bits_equal, case, case_call, case_expected, case_inputs,
-    make_input, poison_like,
-)
+from _engine_check import CFG, SEED, check  # noqa: E402
+from _torch_reference import COLLECTIVES, OPS, REDUCE_DTYPES, REDUCING, case, make_input  # noqa: E402
 from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
-SEED = int.from_bytes(os.urandom(3), "little")  # fresh inputs every run; printed on failure
-CFG = {"staging_bytes": 1 << 20, "timeout_s": 8}
-INPLACE = ("all_reduce", "broadcast")
-
-
-def _prepare(comm, c: dict, inplace: bool):
-    xs = case_inputs(c, comm.world_size)
-    want, _ = case_expected(c, comm.world_size, comm.rank, xs)
-    x = xs[comm.rank].to(comm.device)
-    return c, x, (x if inplace else poison_like(want).to(comm.device)), xs[comm.rank], inplace
-
-
-def check(world: int, cases: list[dict], config=CFG, inplace: bool = True) -> None:
-    """Run ``cases`` on the CUDA engine and on the CPU engine; bitwise equal, out= and in place.
-
-    Every device buffer is allocated before the first collective and the ranks meet at a barrier:
-    a device allocation while another loopback rank's kernel runs would serialize the ranks'
-    streams (CUDA's implicit synchronization) and cost a timeout (docs/DESIGN.md)."""
-    barrier = threading.Barrier(world)
-
-    def fn(comm):
-        jobs = [_prepare(comm, c, False) for c in cases]
-        if inplace:
-            jobs += [_prepare(comm, c, True) for c in cases if c["coll"] in INPLACE]
-        barrier.wait()
-        for c, x, out, _, _ in jobs:
-            assert case_call(comm, c, x, out) is out
-        comm.synchronize()
-        res = []
-        for c, x, out, x0, inpl in jobs:
-            if not inpl:
-                assert_bits_equal(x.cpu(), x0, f"{c['coll']}: the input must be left unchanged")
-            res.append(out.cpu())
-        return res
-
-    got = ps.run_virtual(world, fn, device="cuda", config=config)
-    ref = ps.run_virtual(world, fn, device="cpu", config=config)
-    labels = [c["coll"] for c in cases] + [c["coll"] + " in place" for c in cases if inplace and c["coll"] in INPLACE]
-    for r in range(world):
-        for i, label in enumerate(labels):
-            assert_bits_equal(got[r][i], ref[r][i], f"seed {SEED} world {world} rank {r}: {label} cuda vs cpu")
-
-
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_every_collective_every_world(world):
     cases = [case(coll, torch.float32, rows=2, width=3, seed=SEED + i, root=world - 1, salt=world)

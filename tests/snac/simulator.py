@@ -23,7 +23,12 @@ Three independent pieces, used by ``test_plan_structure.py`` and ``test_plan_pro
     spans element-aligned and of equal length, acks never ahead of the notifies consumed,
     every notify consumed and acknowledged by the end,
   - outputs (:class:`OutputError`): every consuming rank's output equals the reference and
-    each output byte was written exactly once; non-consuming ranks write nothing.
+    each output byte was written exactly once; non-consuming ranks write nothing,
+  - packets (the packet protocol, ``PacketPut`` / ``PacketCopy`` / ``PacketReduce``): a push lands
+    whole in the consumer's window ``[epoch parity][producer]`` (the epoch counts the rank's calls
+    that ran packet ops, as the CUDA engine's), a window read waits for this call's epoch, and a
+    push may not overwrite a window its reader has not read yet (:class:`RaceError`), nor push
+    twice into one window in one call or more than a window holds (:class:`ProtocolError`).
 
 Counter semantics (as ``CpuEngine._run``): ``notify[p, c, i]`` is incremented by producer ``p``
 per Signal("notify", c, i); a consumer's WaitSignal("notify", p, i) waits until it is >= the
@@ -49,7 +54,10 @@ from purlin_sglang.collectives import (
     CollectiveSpec, Layout, ReduceOp,
 )
 from purlin_sglang.errors import PurlinPlanError
-from purlin_sglang.snac import Buf, Copy, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal
+from purlin_sglang.snac import (
+    Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Sizes, Span, WaitDrainAll, WaitSignal,
+)
+from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
 
 # ---------------------------------------------------------------------------------------------
 # Namings
@@ -298,6 +306,17 @@ class SimResult:
 
 
 POISON = 0xFF  # every output byte starts as 0xFF (a NaN for float32/float64 views)
+PACKET_OPS = (PacketPut, PacketCopy, PacketReduce)
+
+
+def _moves_packets(op) -> bool:
+    """A packet op the CUDA encoder keeps (it drops empty ones; a call with none leaves the epoch)."""
+    return isinstance(op, PACKET_OPS) and (op.src if isinstance(op, PacketPut) else op.dst).nbytes > 0
+
+
+def _window_srcs(op) -> list[Span]:
+    srcs = (op.src,) if isinstance(op, PacketCopy) else op.srcs if isinstance(op, PacketReduce) else ()
+    return [x for x in srcs if x.buf is Buf.WINDOW]
 
 
 class _Sim:
@@ -338,6 +357,12 @@ class _Sim:
             self.written.append([np.zeros(sum(c.schedules[r].sizes.output), np.int32) for r in range(world)])
         self.trace: deque = deque(maxlen=trace_len)
         self.steps = 0
+        # packets: epoch[k][r] of call k on rank r; windows[(owner, parity, producer)] = [epoch, bytes, read]
+        self.epoch, n = [], [0] * world
+        for c in self.calls:
+            self.epoch.append([n[r] + 1 for r in range(world)])
+            n = [n[r] + any(_moves_packets(op) for op in c.schedules[r].ops) for r in range(world)]
+        self.windows: dict = {}
 
     # -- state queries ------------------------------------------------------------------------
     def _op(self, r: int):
@@ -358,6 +383,9 @@ class _Sim:
             raise ProtocolError(f"rank {r}: unknown wait kind {op.kind!r}")
         if isinstance(op, WaitDrainAll):
             return all(self.ack[r, c, i] >= self.notify[r, c, i] for c in op.peers for i in range(op.items))
+        if _moves_packets(op):
+            e = self.epoch[self.ci[r]][r]
+            return all(self.windows.get((r, e & 1, x.rank), (0,))[0] == e for x in _window_srcs(op))
         return True
 
     def _where(self, r: int) -> str:
@@ -385,6 +413,10 @@ class _Sim:
                 missing = [(c, i, self.ack[r, c, i], self.notify[r, c, i]) for c in op.peers
                            for i in range(op.items) if self.ack[r, c, i] < self.notify[r, c, i]]
                 detail = f"undrained (peer, item, acks, notifies): {missing}"
+            elif isinstance(op, PACKET_OPS):
+                e = self.epoch[self.ci[r]][r]
+                seen = {x.rank: self.windows.get((r, e & 1, x.rank), (0,))[0] for x in _window_srcs(op)}
+                detail = f"needs packets of epoch {e}; the windows (producer: epoch) hold {seen}"
             lines.append(f"  {self._where(r)} blocked on {op}: {detail}")
         return "\n".join(lines)
 
@@ -484,19 +516,20 @@ class _Sim:
                 raise ProtocolError(f"{self._where(r)}: copy of unequal spans {op.src} -> {op.dst}")
             self._write(r, op.dst, self._read(r, op.src))
         elif isinstance(op, Reduce):
-            dtype = self.calls[self.ci[r]].dtype
-            if dtype is None:
-                raise ProtocolError(f"{self._where(r)}: a reduce in a call without an element dtype")
-            size = np.dtype(dtype).itemsize
-            for s in (op.dst, *op.srcs):
-                if s.nbytes != op.dst.nbytes:
-                    raise ProtocolError(f"{self._where(r)}: reduce spans of unequal length: {op}")
-                if s.offset % size or s.nbytes % size:
-                    raise ProtocolError(f"{self._where(r)}: reduce span {s} is not aligned to {size}-byte elements")
-            parts = [self._read(r, s) for s in op.srcs]
-            if not parts:
-                raise ProtocolError(f"{self._where(r)}: a reduce without sources")
-            self._write(r, op.dst, _reduce(op.op, parts, dtype))
+            self._reduce(r, op, [self._read(r, s) for s in op.srcs])
+        elif isinstance(op, PacketPut):
+            if op.src.nbytes:
+                self._push(r, op)
+        elif isinstance(op, (PacketCopy, PacketReduce)):
+            if op.dst.nbytes:
+                srcs = (op.src,) if isinstance(op, PacketCopy) else op.srcs
+                parts = [self._pull(r, x) if x.buf is Buf.WINDOW else self._read(r, x) for x in srcs]
+                if isinstance(op, PacketCopy):
+                    if op.src.nbytes != op.dst.nbytes:
+                        raise ProtocolError(f"{self._where(r)}: packet copy of unequal spans {op.src} -> {op.dst}")
+                    self._write(r, op.dst, parts[0])
+                else:
+                    self._reduce(r, op, parts)
         elif isinstance(op, Signal):
             if op.peer == r or not 0 <= op.peer < self.world:
                 raise ProtocolError(f"{self._where(r)}: signals rank {op.peer}")
@@ -531,6 +564,45 @@ class _Sim:
         self.pc[r] += 1
         self.steps += 1
 
+    def _reduce(self, r: int, op, parts: list) -> None:
+        dtype = self.calls[self.ci[r]].dtype
+        if dtype is None:
+            raise ProtocolError(f"{self._where(r)}: a reduce in a call without an element dtype")
+        size = np.dtype(dtype).itemsize
+        for s in (op.dst, *op.srcs):
+            if s.nbytes != op.dst.nbytes:
+                raise ProtocolError(f"{self._where(r)}: reduce spans of unequal length: {op}")
+            if s.buf is not Buf.WINDOW and (s.offset % size or s.nbytes % size):
+                raise ProtocolError(f"{self._where(r)}: reduce span {s} is not aligned to {size}-byte elements")
+        if not parts:
+            raise ProtocolError(f"{self._where(r)}: a reduce without sources")
+        self._write(r, op.dst, _reduce(op.op, parts, dtype))
+
+    def _push(self, r: int, op: PacketPut) -> None:
+        """My input span, whole, into ``op.peer``'s window [parity][me] with this call's epoch."""
+        if op.src.buf is not Buf.INPUT or op.peer == r or not 0 <= op.peer < self.world:
+            raise ProtocolError(f"{self._where(r)}: pushes {op.src} to rank {op.peer}")
+        if op.src.nbytes > PACKET_WINDOW_BYTES:
+            raise ProtocolError(f"{self._where(r)}: pushes {op.src.nbytes} bytes, a window holds {PACKET_WINDOW_BYTES}")
+        e = self.epoch[self.ci[r]][r]
+        key = (op.peer, e & 1, r)
+        old = self.windows.get(key)
+        if old is not None and old[0] == e:
+            raise ProtocolError(f"{self._where(r)}: pushes twice into rank {op.peer}'s window in one call")
+        if old is not None and not old[2]:
+            raise RaceError(f"{self._where(r)}: overwrites rank {op.peer}'s window [{e & 1}][{r}] holding the "
+                            f"packets of epoch {old[0]}, which rank {op.peer} has not read yet"
+                            f"\n  recent ops:\n{self._trace_text()}")
+        self.windows[key] = [e, self._read(r, op.src), False]
+
+    def _pull(self, r: int, x: Span) -> np.ndarray:
+        """The packets ``x.rank`` pushed me in this call (readiness waited for their epoch)."""
+        w = self.windows[r, self.epoch[self.ci[r]][r] & 1, x.rank]
+        if x.offset != 0 or len(w[1]) != x.nbytes:
+            raise ProtocolError(f"{self._where(r)}: reads {x}, but rank {x.rank} pushed {len(w[1])} bytes")
+        w[2] = True
+        return w[1]
+
     def run(self) -> SimResult:
         last = None
         while True:
@@ -555,6 +627,10 @@ class _Sim:
         return SimResult(self.outputs, self.steps)
 
     def _check_end(self) -> None:
+        for (owner, parity, producer), (e, _, read) in self.windows.items():
+            if not read:
+                raise ProtocolError(f"after all calls: rank {owner} never read the packets of epoch {e} that "
+                                    f"rank {producer} pushed it")
         for key in set(self.notify) | set(self.expect) | set(self.ack):
             n, e, a = self.notify[key], self.expect[key], self.ack[key]
             if not n == e == a:

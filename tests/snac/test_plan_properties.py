@@ -3,7 +3,8 @@
 Workloads are random: a naming (every catalog spec, rooted user specs such as gather / reduce /
 scatter, and every naming check_spec accepts), world 1..8, a random root, globally consistent
 per-rank sizes (0 included, not multiples of 16 bytes), a staging buffer small enough to force
-many chunks, 1..3 slots, and for reductions to a packed output both algorithms.
+many chunks, 1..3 slots, and every algorithm (``packet`` forced: the collectives with a packet
+form push into receive windows, the others run ``oneshot``).
 
 Static properties check every rank's lowered op list; the simulator (tests/snac/simulator.py)
 then runs all ranks together with random interleavings and checks deadlock freedom, slot-reuse
@@ -23,7 +24,8 @@ from hypothesis import strategies as st
 import simulator as S
 from purlin_sglang.collectives import CATALOG, CollectiveSpec, Consume, ReduceOp
 from purlin_sglang.snac import (
-    Buf, Copy, Reduce, Schedule, Signal, Sizes, Span, TuningPolicy, WaitDrainAll, WaitSignal, make_plan,
+    Buf, Copy, PacketCopy, PacketReduce, Reduce, Schedule, Signal, Sizes, Span, TuningPolicy, WaitDrainAll,
+    WaitSignal, make_plan,
 )
 
 ROW_BYTES = (1, 2, 3, 4, 6, 8, 12, 16, 24)
@@ -76,7 +78,7 @@ def call_shapes(draw, world=None, specs=None, max_rows=8):
     m = [[draw(rows) * row_bytes for _ in range(world)] for _ in range(world)]
     junk = [[draw(rows) * row_bytes for _ in range(world)] for _ in range(world)]
     sizes = S.consistent_sizes(spec, world, root, m, junk)
-    algorithm = draw(st.sampled_from(["auto", "oneshot", "twoshot"]))
+    algorithm = draw(st.sampled_from(["auto", "oneshot", "twoshot", "packet"]))
     policy = TuningPolicy(algorithm=algorithm, slots=draw(st.integers(1, 3)),
                           oneshot_max_bytes=draw(st.sampled_from([0, 64, 256, 1 << 20])),
                           max_chunk_bytes=draw(st.sampled_from([16, 40, 64, 4 << 20])))
@@ -85,7 +87,9 @@ def call_shapes(draw, world=None, specs=None, max_rows=8):
 
 
 def _staging(draw, need: int) -> int:
-    """need = n_items * slots (max over the calls): room for 1..4 chunks of 16 bytes, plus slack."""
+    """need = n_items * slots (max over the calls): room for 1..4 chunks of 16 bytes, plus slack
+    (a packet plan stages nothing: need 0 still gets a staging buffer)."""
+    need = max(need, 1)
     return need * 16 * draw(st.integers(1, 4)) + draw(st.integers(0, need * 16 - 1))
 
 
@@ -101,6 +105,9 @@ def workloads(draw, **kw):
 def lower_workload(w: Workload) -> list[Schedule]:
     return S.lower_all(w.spec, w.world, w.root, w.sizes, staging_bytes=w.staging_bytes, policy=w.policy,
                        nbytes=w.nbytes)
+
+
+WRITES = (Copy, Reduce, PacketCopy, PacketReduce)
 
 
 def _ops(sched, kind):
@@ -127,7 +134,7 @@ def test_every_output_byte_is_written_exactly_once(spec, data):
     w = data.draw(workloads(specs=[spec]))
     cons = S.consumers(w.spec, w.world, w.root)
     for r, sched in enumerate(w.schedules):
-        dsts = [op.dst for op in sched.ops if isinstance(op, (Copy, Reduce)) and op.dst.buf is Buf.OUTPUT]
+        dsts = [op.dst for op in sched.ops if isinstance(op, WRITES) and op.dst.buf is Buf.OUTPUT]
         total = sum(w.sizes[r].output)
         assert all(d.rank == r for d in dsts), f"rank {r} writes another rank's output: {dsts}"
         if r not in cons:
@@ -148,17 +155,19 @@ def test_reduce_sources_are_every_producer_once_in_rank_order(spec, data):
     w = data.draw(workloads(specs=[spec]))
     prods = S.producers(w.spec, w.world, w.root)
     for r, sched in enumerate(w.schedules):
-        reduces = _ops(sched, Reduce)
+        reduces = _ops(sched, (Reduce, PacketReduce))
         if r in S.consumers(w.spec, w.world, w.root) or sched.plan.algorithm == "twoshot":
             assert reduces, f"rank {r} reduces nothing"
+        remote = Buf.WINDOW if sched.plan.algorithm == "packet" else Buf.STAGE
         for op in reduces:
             assert op.op is w.spec.consume.reduce
+            assert isinstance(op, PacketReduce) == (sched.plan.algorithm == "packet"), op
             ranks = [s.rank for s in op.srcs]
             want = list(range(w.world)) if sched.plan.algorithm == "twoshot" else list(prods)
             assert ranks == want, f"rank {r}: reduce sources from ranks {ranks}, want {want}"
             assert all(s.nbytes == op.dst.nbytes for s in op.srcs), op
-            for s in op.srcs:  # my own contribution comes from my input; peers' from their staging
-                assert s.buf is (Buf.INPUT if s.rank == r else Buf.STAGE), (r, s)
+            for s in op.srcs:  # my own contribution comes from my input; peers' from their staging (window)
+                assert s.buf is (Buf.INPUT if s.rank == r else remote), (r, s)
 
 
 @by_spec

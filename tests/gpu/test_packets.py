@@ -1,0 +1,50 @@
+"""The packet protocol on the GPU (loopback ranks on one GPU): every collective with a packet form
+(all_reduce, all_gather, reduce_scatter, all_to_all) runs PACKET_PUT / PACKET_COPY / PACKET_REDUCE
+tables, bitwise the CPU engine (which runs oneshot for the same calls), at edge sizes, every copy
+dtype, every reduce op, in place, and in one sequence with staged calls. The collectives without a
+packet form (V, rooted: broadcast in place included) run staged in the same sequences.
+Short on purpose (device time is scarce): a handful of check() calls, each one sequence of calls."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+sys.path.insert(0, os.path.dirname(__file__))
+from _engine_check import CFG, SEED, check  # noqa: E402
+from _torch_reference import COPY_DTYPES, OPS, case, packet_cases  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+FORCED = {**CFG, "tuning": {"algorithm": "packet"}}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_forced_packets_every_fixed_size_collective(world):
+    """0 bytes, 1 element, odd byte counts, a full 64 KiB window per push; V calls interleaved; the
+    in-place all_reduce (packets) and broadcast (staged) at the end of the same sequence."""
+    check(world, packet_cases(SEED + world), config=FORCED)
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_forced_packets_every_copy_dtype_and_every_reduce_op(world):
+    cases = [case(coll, dt, rows=rows, width=width, seed=SEED + 7 * i + rows)
+             for i, dt in enumerate(COPY_DTYPES) for coll in ("all_gather", "all_to_all")
+             for rows, width in ((1, None), (3, 5))]
+    cases += [case(coll, dt, rows=5, width=33, op=op, seed=SEED + 100 + i)
+              for i, (dt, op) in enumerate((d, o) for d in (torch.bfloat16, torch.float16, torch.float32) for o in OPS)
+              for coll in ("all_reduce", "reduce_scatter")]
+    check(world, cases, config=FORCED)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_auto_packets_interleaved_with_staged_calls(world):
+    """auto: the small calls take packets; payloads past a window stage (oneshot / twoshot) in between,
+    so windows and staging alternate within one sequence."""
+    check(world, packet_cases(SEED + 50 + world, large=True))
