@@ -8,8 +8,9 @@ engines compute every offset through the layout; providers only allocate, exchan
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from ..errors import PurlinClosedError
 from .layout import WorkspaceLayout
 
 
@@ -33,17 +34,44 @@ class DeviceWorkspace(Protocol):
 
 
 class WorkspaceLifetime:
-    """What every provider's workspace shares: ``closed``, use as a context manager, a repr.
+    """What every provider's workspace shares: its fields, ``closed``, ``base_ptrs`` and
+    ``hbm_bytes`` (which refuse or report 0 once closed), use as a context manager, a repr.
 
-    Subclasses set ``rank``, ``world``, ``device_index``, ``nbytes`` and ``_closed`` and define
-    ``close()``.
+    Subclasses call ``__init__`` with the fields, keep every rank's pointer in ``_ptrs`` (or
+    override ``_mapped_ptrs``) and define ``close()``, which sets ``_closed``.
     """
 
     _closed: bool
 
+    def __init__(self, *, rank: int, world: int, device_index: int, nbytes: int, layout: Any = None):
+        self.layout = layout
+        self.rank = rank
+        self.world = world
+        self.device_index = device_index
+        self.nbytes = nbytes
+        self._closed = False
+
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise PurlinClosedError(f"{type(self).__name__}.{what}: the workspace is closed; create a new one")
+
+    def _mapped_ptrs(self) -> list[int]:
+        return list(self._ptrs)
+
+    @property
+    def base_ptrs(self) -> list[int]:
+        """Device pointer of rank r's workspace, valid in this process, for every r."""
+        self._check_open("base_ptrs")
+        return self._mapped_ptrs()
+
+    @property
+    def hbm_bytes(self) -> int:
+        """GPU memory of this rank's own allocation (0 once closed)."""
+        return 0 if self._closed else self.nbytes
 
     def __enter__(self):
         return self

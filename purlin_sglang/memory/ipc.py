@@ -34,20 +34,12 @@ import ctypes
 import os
 from typing import Any, Optional
 
-from ..errors import PurlinClosedError, PurlinError, PurlinUnavailableError, PurlinValueError
+from ..errors import PurlinError, PurlinUnavailableError, PurlinValueError
 from .device import WorkspaceLifetime
+from .setup_phase import agree, as_status, check_create_args, check_same_nbytes, setup_group
 
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 _PIP = "pip install cuda-python"
-
-
-class _Fail(Exception):
-    """A set-up problem of this rank: ``kind`` ("value" | "unavailable") and the message."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 def _load_cudart():
@@ -112,80 +104,6 @@ def _handle_from_bytes(cudart, raw: bytes):
     return handle
 
 
-def _resolve_group(op: str, group):
-    """The process group to set up over (None: the default group); raises at once if there is none."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise PurlinValueError(
-            f"{op}: torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group('gloo', ...) first (the handles travel over a CPU group)"
-        )
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
-        raise PurlinValueError(f"{op}: this process is not a member of the given group")
-    return group
-
-
-def check_int(op: str, name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum`` (bools refused), else a _Fail("value")."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Fail("value", f"{op}: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise _Fail("value", f"{op}: {name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_membership(op: str, group, rank: Any, world: Any) -> None:
-    """``rank`` and ``world`` must be this process's rank in ``group`` and its size."""
-    import torch.distributed as dist
-
-    check_int(op, "rank", rank, 0)
-    check_int(op, "world", world, 1)
-    got_rank, got_world = dist.get_rank(group), dist.get_world_size(group)
-    if (rank, world) != (got_rank, got_world):
-        raise _Fail("value", f"{op}: rank={rank}, world={world} but this process is rank {got_rank} "
-                             f"of {got_world} in the group; pass the group's own rank and size")
-
-
-def gather_status(group, world: int, mine: tuple) -> list:
-    """All-gather one status per rank (a collective that is also the barrier of a set-up phase).
-
-    ``mine`` is ``("ok", payload)`` or ``("error", kind, message)``. Every rank gets the same
-    list, so every rank takes the same decision.
-    """
-    import torch.distributed as dist
-
-    got: list = [None] * world
-    dist.all_gather_object(got, mine, group=group)
-    return got
-
-
-def raise_failures(op: str, statuses: list) -> None:
-    """Raise on every rank if any rank's status is an error (value errors win over unavailable)."""
-    failed = [(r, s) for r, s in enumerate(statuses) if s is None or s[0] != "ok"]
-    if not failed:
-        return
-    kinds = {s[1] if s else "unavailable" for _, s in failed}
-    by_message: dict[str, list[int]] = {}  # ranks that failed the same way are named together
-    for r, s in failed:
-        msg = s[2] if s else "no status"
-        by_message.setdefault(msg[len(op) + 2:] if msg.startswith(f"{op}: ") else msg, []).append(r)
-    text = "; ".join(f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {rs}: {m}" for m, rs in by_message.items())
-    cls = PurlinValueError if "value" in kinds else PurlinUnavailableError
-    raise cls(f"{op}: set-up failed on rank(s) {[r for r, _ in failed]}: {text}")
-
-
-def as_status(exc: BaseException) -> tuple:
-    if isinstance(exc, _Fail):
-        return ("error", exc.kind, exc.message)
-    if isinstance(exc, PurlinValueError):
-        return ("error", "value", str(exc))
-    if isinstance(exc, PurlinError):
-        return ("error", "unavailable", str(exc))
-    return ("error", "unavailable", f"{type(exc).__name__}: {exc}")
-
-
 class IpcWorkspace(WorkspaceLifetime):
     """This rank's workspace (a cudaMalloc) and every rank's pointer as mapped in this process.
 
@@ -198,15 +116,10 @@ class IpcWorkspace(WorkspaceLifetime):
 
     def __init__(self, *, cudart, rank: int, world: int, device_index: int, nbytes: int, own_ptr: int,
                  peer_ptrs: dict[int, int], layout: Any = None):
-        self.layout = layout
-        self.rank = rank
-        self.world = world
-        self.device_index = device_index
-        self.nbytes = nbytes
+        super().__init__(rank=rank, world=world, device_index=device_index, nbytes=nbytes, layout=layout)
         self._cudart = cudart
         self._own_ptr = own_ptr
         self._peer_ptrs = dict(peer_ptrs)  # rank -> pointer opened with cudaIpcOpenMemHandle
-        self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
@@ -221,16 +134,11 @@ class IpcWorkspace(WorkspaceLifetime):
         error string) when cuda-python, the GPU or IPC is not usable.
         """
         op = "IpcWorkspace.create"
-        group = _resolve_group(op, group)
-        import torch.distributed as dist
-
-        gworld = dist.get_world_size(group)
+        group, gworld = setup_group(op, group)
         cudart, own_ptr = None, None
         # Phase 1: check, allocate, zero, export.
         try:
-            check_int(op, "layout_nbytes", layout_nbytes, 1)
-            check_int(op, "device_index", device_index, 0)
-            check_membership(op, group, rank, world)
+            check_create_args(op, group, layout_nbytes, device_index, rank, world)
             cudart = _load_cudart()
             with _on_device(cudart, device_index):
                 own_ptr = int(_check(cudart, f"cudaMalloc({layout_nbytes})", cudart.cudaMalloc(layout_nbytes)))
@@ -242,14 +150,10 @@ class IpcWorkspace(WorkspaceLifetime):
                            "pid": os.getpid(), "device_index": device_index})
         except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
             mine = as_status(e)
-        statuses = gather_status(group, gworld, mine)
         try:
-            raise_failures(op, statuses)
-            sizes = {r: s[1]["nbytes"] for r, s in enumerate(statuses)}
-            if len(set(sizes.values())) != 1:
-                raise PurlinValueError(f"{op}: ranks disagree on layout_nbytes {sizes}; every rank needs the "
-                                       "same workspace layout (same world and staging_bytes)")
-            pids = [s[1]["pid"] for s in statuses]
+            infos = agree(op, group, gworld, mine)
+            check_same_nbytes(op, infos)
+            pids = [i["pid"] for i in infos]
             if len(set(pids)) != len(pids):
                 raise PurlinValueError(f"{op}: several ranks live in one process (pids {pids}); CUDA IPC maps "
                                        "memory between processes: use memory='loopback' for ranks in one process")
@@ -261,9 +165,9 @@ class IpcWorkspace(WorkspaceLifetime):
         ws = cls(cudart=cudart, rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes,
                  own_ptr=own_ptr, peer_ptrs={}, layout=layout)
         try:
-            own_bus = statuses[rank][1]["bus_id"]
+            own_bus = infos[rank]["bus_id"]
             with _on_device(cudart, device_index):
-                for r, (_, info) in enumerate(statuses):
+                for r, info in enumerate(infos):
                     if r == rank:
                         continue
                     if info["bus_id"] != own_bus:
@@ -275,9 +179,8 @@ class IpcWorkspace(WorkspaceLifetime):
             mine = ("ok", None)
         except Exception as e:  # noqa: BLE001
             mine = as_status(e)
-        statuses = gather_status(group, gworld, mine)
         try:
-            raise_failures(op, statuses)
+            agree(op, group, gworld, mine)
         except PurlinError:
             with contextlib.suppress(Exception):
                 ws.close()
@@ -285,17 +188,8 @@ class IpcWorkspace(WorkspaceLifetime):
         return ws
 
     # -- DeviceWorkspace ------------------------------------------------------------------------
-    @property
-    def base_ptrs(self) -> list[int]:
-        """Device pointer of rank r's workspace, valid in this process, for every r."""
-        if self._closed:
-            raise PurlinClosedError("IpcWorkspace.base_ptrs: the workspace is closed; create a new one")
+    def _mapped_ptrs(self) -> list[int]:
         return [self._own_ptr if r == self.rank else self._peer_ptrs[r] for r in range(self.world)]
-
-    @property
-    def hbm_bytes(self) -> int:
-        """GPU memory this rank's workspace holds (0 once closed)."""
-        return 0 if self._closed else self.nbytes
 
     def close(self) -> None:
         """Unmap the peers (cudaIpcCloseMemHandle) and free this rank's memory (cudaFree).

@@ -51,9 +51,11 @@ import socket
 import threading
 from typing import Any, Optional
 
-from ..errors import PurlinClosedError, PurlinError, PurlinUnavailableError, PurlinValueError
+from ..errors import PurlinError, PurlinUnavailableError, PurlinValueError
 from .device import WorkspaceLifetime
-from .ipc import _Fail, _resolve_group, as_status, check_int, check_membership, gather_status, raise_failures
+from .setup_phase import (
+    _Fail, agree, as_status, check_create_args, check_same_nbytes, gather_status, raise_failures, setup_group,
+)
 
 SHIM_ABI_VERSION = 1  # PURLIN_NVSHMEM_ABI_VERSION in native/nvshmem/purlin_nvshmem.cu
 _HOST_LIB = "libnvshmem_host.so.3"
@@ -306,22 +308,18 @@ class NvshmemWorkspace(WorkspaceLifetime):
 
     Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`; ``layout`` is whatever
     layout object the caller passed. See the module docstring for the one-session-per-process
-    rule and when the memory of a closed workspace is given back.
+    rule and when the memory of a closed workspace is given back (``hbm_bytes`` is 0 once
+    closed; the heap frees the block at the next set-up).
     """
 
     provider = "nvshmem"
 
     def __init__(self, *, rank: int, world: int, device_index: int, nbytes: int, ptrs: list[int], session: Any,
                  block_id: int, layout: Any = None):
-        self.layout = layout
-        self.rank = rank
-        self.world = world
-        self.device_index = device_index
-        self.nbytes = nbytes
+        super().__init__(rank=rank, world=world, device_index=device_index, nbytes=nbytes, layout=layout)
         self._ptrs = list(ptrs)
         self._session = session
         self._block_id = block_id
-        self._closed = False
 
     @classmethod
     def create(cls, layout_nbytes: int, group: Any, device_index: int, rank: int, world: int, *,
@@ -337,17 +335,12 @@ class NvshmemWorkspace(WorkspaceLifetime):
         """
         global _SESSION, _BROKEN
         op = "NvshmemWorkspace.create"
-        group = _resolve_group(op, group)
-        import torch.distributed as dist
-
-        gworld = dist.get_world_size(group)
+        group, gworld = setup_group(op, group)
         with _lock:
             # Phase 1: local checks; nothing collective in NVSHMEM yet.
             shim = None
             try:
-                check_int(op, "layout_nbytes", layout_nbytes, 1)
-                check_int(op, "device_index", device_index, 0)
-                check_membership(op, group, rank, world)
+                check_create_args(op, group, layout_nbytes, device_index, rank, world)
                 shim = _load_shim()
                 session = _SESSION
                 if _BROKEN:
@@ -374,13 +367,8 @@ class NvshmemWorkspace(WorkspaceLifetime):
                                "retired": [] if session is None else sorted(session.retired)})
             except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
                 mine = as_status(e)
-            statuses = gather_status(group, gworld, mine)
-            raise_failures(op, statuses)
-            infos = [s[1] for s in statuses]
-            sizes = {r: i["nbytes"] for r, i in enumerate(infos)}
-            if len(set(sizes.values())) != 1:
-                raise PurlinValueError(f"{op}: ranks disagree on layout_nbytes {sizes}; every rank needs the same "
-                                       "workspace layout (same world and staging_bytes)")
+            infos = agree(op, group, gworld, mine)
+            check_same_nbytes(op, infos)
             idents = [tuple(i["ident"]) for i in infos]
             if len(set(idents)) != len(idents):
                 raise PurlinValueError(f"{op}: several ranks live in one process ({idents}); NVSHMEM has one PE per "
@@ -424,18 +412,6 @@ class NvshmemWorkspace(WorkspaceLifetime):
                        session=session, block_id=block_id, layout=layout)
 
     # -- DeviceWorkspace ------------------------------------------------------------------------
-    @property
-    def base_ptrs(self) -> list[int]:
-        """Device pointer of rank r's workspace, valid in this process, for every r."""
-        if self._closed:
-            raise PurlinClosedError("NvshmemWorkspace.base_ptrs: the workspace is closed; create a new one")
-        return list(self._ptrs)
-
-    @property
-    def hbm_bytes(self) -> int:
-        """GPU memory of this rank's block (0 once closed; the heap frees it at the next set-up)."""
-        return 0 if self._closed else self.nbytes
-
     def close(self) -> None:
         """Retire this rank's block: it is freed (collectively) at the next create() or shutdown() over
         the group once every rank has closed it. Local: no collective, no barrier; safe to call twice.
@@ -458,18 +434,15 @@ def _init_session(op: str, shim: Any, group: Any, gworld: int, rank: int, device
         mine = ("ok", shim.get_uniqueid() if rank == 0 else None)
     except Exception as e:  # noqa: BLE001
         mine = as_status(e)
-    statuses = gather_status(group, gworld, mine)
-    raise_failures(op, statuses)
-    uid = statuses[0][1]
+    uid = agree(op, group, gworld, mine)[0]
     try:
         os.environ["NVSHMEM_DISABLE_NVLS"] = "1"  # never NVLink multicast (read by NVSHMEM at init)
         shim.init(uid, rank, gworld, device_index)
         mine = ("ok", None)
     except Exception as e:  # noqa: BLE001
         mine = as_status(e)
-    statuses = gather_status(group, gworld, mine)
     try:
-        raise_failures(op, statuses)
+        agree(op, group, gworld, mine)
     except PurlinError as e:  # NVSHMEM is half set up (here or on a peer): nothing collective can follow
         _BROKEN = (f"NVSHMEM failed to initialise on some rank of this group earlier ({e}); it cannot be "
                    "initialised again in this process: restart the processes")
@@ -488,17 +461,13 @@ def shutdown(group: Any = None) -> bool:
     """
     global _SESSION, _FINALIZED
     op = "nvshmem.shutdown"
-    group = _resolve_group(op, group)
-    import torch.distributed as dist
-
-    gworld = dist.get_world_size(group)
+    group, gworld = setup_group(op, group)
     with _lock:
         s = _SESSION
         mine = ("ok", {"ident": _identity(), "peers": None if s is None else s.peers,
                        "retired": [] if s is None else sorted(s.retired), "live": 0 if s is None else len(s.live),
                        "broken": _BROKEN})
-        statuses = gather_status(group, gworld, mine)
-        infos = [st[1] for st in statuses]
+        infos = agree(op, group, gworld, mine)  # every status is "ok": an exchange of states
         broken = [(r, i["broken"]) for r, i in enumerate(infos) if i["broken"]]
         if broken:
             raise PurlinUnavailableError(f"{op}: rank {broken[0][0]}: {broken[0][1]}")
@@ -513,7 +482,7 @@ def shutdown(group: Any = None) -> bool:
             mine = ("ok", None)
         except Exception as e:  # noqa: BLE001
             mine = as_status(e)
-        raise_failures(op, gather_status(group, gworld, mine))
+        agree(op, group, gworld, mine)
         return finalize
 
 

@@ -28,9 +28,8 @@ import importlib
 import warnings
 from typing import Any
 
-from ..errors import PurlinClosedError, PurlinValueError
-from .ipc import _Fail, _resolve_group, as_status, check_int, check_membership, gather_status, raise_failures
 from .device import WorkspaceLifetime
+from .setup_phase import _Fail, agree, as_status, check_create_args, check_same_nbytes, setup_group
 
 _MODULE = "torch.distributed._symmetric_memory"
 
@@ -55,22 +54,18 @@ class TorchSymmWorkspace(WorkspaceLifetime):
     """This rank's workspace as a torch symmetric-memory tensor, with every rank's pointer.
 
     Implements :class:`~purlin_sglang.memory.device.DeviceWorkspace`; ``layout`` is whatever
-    layout object the caller passed.
+    layout object the caller passed. ``hbm_bytes`` counts this rank's buffer (PyTorch adds its
+    own signal pad).
     """
 
     provider = "torch"
 
     def __init__(self, *, rank: int, world: int, device_index: int, nbytes: int, tensor: Any, handle: Any,
                  layout: Any = None):
-        self.layout = layout
-        self.rank = rank
-        self.world = world
-        self.device_index = device_index
-        self.nbytes = nbytes
+        super().__init__(rank=rank, world=world, device_index=device_index, nbytes=nbytes, layout=layout)
         self._tensor = tensor
         self._handle = handle
         self._ptrs = [int(p) for p in handle.buffer_ptrs]
-        self._closed = False
 
     @classmethod
     def create(cls, layout_nbytes: int, group: Any, device_index: int, rank: int, world: int, *,
@@ -82,16 +77,12 @@ class TorchSymmWorkspace(WorkspaceLifetime):
         :class:`PurlinUnavailableError` (naming the missing API or quoting PyTorch) otherwise.
         """
         op = "TorchSymmWorkspace.create"
-        group = _resolve_group(op, group)
+        group, gworld = setup_group(op, group)
         import torch
-        import torch.distributed as dist
 
-        gworld = dist.get_world_size(group)
         tensor = None
         try:
-            check_int(op, "layout_nbytes", layout_nbytes, 1)
-            check_int(op, "device_index", device_index, 0)
-            check_membership(op, group, rank, world)
+            check_create_args(op, group, layout_nbytes, device_index, rank, world)
             symm_mem = _load_symm_mem()
             if not torch.cuda.is_available():
                 raise _Fail("unavailable", f"{op}: memory='torch' needs a CUDA GPU (torch.cuda.is_available() is "
@@ -106,12 +97,7 @@ class TorchSymmWorkspace(WorkspaceLifetime):
             mine = ("ok", {"nbytes": layout_nbytes})
         except Exception as e:  # noqa: BLE001 - reported to every rank
             mine = as_status(e)
-        statuses = gather_status(group, gworld, mine)
-        raise_failures(op, statuses)
-        sizes = {r: s[1]["nbytes"] for r, s in enumerate(statuses)}
-        if len(set(sizes.values())) != 1:
-            raise PurlinValueError(f"{op}: ranks disagree on layout_nbytes {sizes}; every rank needs the same "
-                                   "workspace layout (same world and staging_bytes)")
+        check_same_nbytes(op, agree(op, group, gworld, mine))
 
         handle = None
         try:
@@ -131,28 +117,14 @@ class TorchSymmWorkspace(WorkspaceLifetime):
             mine = ("ok", None)
         except Exception as e:  # noqa: BLE001
             mine = as_status(e)
-        statuses = gather_status(group, gworld, mine)
-        raise_failures(op, statuses)
+        agree(op, group, gworld, mine)
         return cls(rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes, tensor=tensor,
                    handle=handle, layout=layout)
 
     @property
-    def base_ptrs(self) -> list[int]:
-        """Device pointer of rank r's workspace, valid in this process, for every r."""
-        if self._closed:
-            raise PurlinClosedError("TorchSymmWorkspace.base_ptrs: the workspace is closed; create a new one")
-        return list(self._ptrs)
-
-    @property
-    def hbm_bytes(self) -> int:
-        """GPU memory of this rank's buffer (PyTorch adds its own signal pad); 0 once closed."""
-        return 0 if self._closed else self.nbytes
-
-    @property
     def tensor(self):
         """This rank's workspace as a uint8 tensor (PyTorch's symmetric allocation)."""
-        if self._closed:
-            raise PurlinClosedError("TorchSymmWorkspace.tensor: the workspace is closed; create a new one")
+        self._check_open("tensor")
         return self._tensor
 
     def close(self) -> None:

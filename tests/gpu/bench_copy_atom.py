@@ -11,26 +11,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
+import os
+import sys
 
 import torch
 
 from purlin_sglang import native
 
-
-def _time_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
+from _bench_util import time_ms  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +41,7 @@ def main() -> None:
     rows = []
 
     def case(name: str, nbytes: int, fn) -> None:
-        ms = _time_ms(fn, args.iters)
+        ms = time_ms(fn, args.iters)
         gbs = 2 * nbytes / (ms * 1e-3) / 1e9
         rows.append({"case": name, "bytes": nbytes, "median_ms": round(ms, 4), "GBps": round(gbs, 1)})
         print(f"{name:<40s} {nbytes / 2**20:9.2f} MiB  {ms * 1e3:9.1f} us  {gbs:8.1f} GB/s", flush=True)

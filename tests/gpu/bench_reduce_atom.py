@@ -12,26 +12,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
+import os
+import sys
 
 import torch
 
 from purlin_sglang import native
 
-
-def _time_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
+from _bench_util import time_ms  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +36,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def case(name: str, moved: int, fn, copy_gbs: float | None = None) -> float:
-        ms = _time_ms(fn, args.iters)
+        ms = time_ms(fn, args.iters)
         gbs = moved / (ms * 1e-3) / 1e9
         row = {"case": name, "bytes_moved": moved, "median_ms": round(ms, 4), "GBps": round(gbs, 1)}
         if copy_gbs:

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-from _torch_reference import (  # noqa: E402
-    COLLECTIVES, assert_bits_equal, case, case_call, case_expected, case_inputs, poison_like,
-)
+sys.path.insert(0, os.path.dirname(__file__))
+from _torch_reference import COLLECTIVES, assert_bits_equal, case, case_call, case_expected, case_inputs  # noqa: E402
+from _workers import mismatches_vs_cpu  # noqa: E402
+
 from purlin_sglang.testing import launch  # noqa: E402
 
 pytestmark = [
@@ -59,24 +60,7 @@ def _collectives_worker(rank, world, memory, seed, placement):
     cuda = ps.Communicator(None, f"cuda:{dev}", config=cfg)
     cpu = ps.Communicator(None, "cpu", config={"staging_bytes": STAGING, "timeout_s": 30})
     info = {"engine": cuda.engine_name, "memory": cuda.memory, "hbm": cuda.hbm_bytes, "repr": repr(cuda)}
-    bad = []
-    for c in _cases(seed):
-        xs = case_inputs(c, world)
-        want, touched = case_expected(c, world, rank, xs)
-        ref = case_call(cpu, c, xs[rank].clone(), poison_like(want))
-        x = xs[rank].to(cuda.device)
-        out = poison_like(want).to(cuda.device)
-        got = case_call(cuda, c, x, out)
-        cuda.synchronize()
-        label = f"{c['coll']} {c['dtype']} rows={c['rows']} op={c['op']}"
-        try:
-            assert got is out
-            assert_bits_equal(out.cpu(), ref, f"rank {rank}: {label} cuda vs cpu")
-            if touched:
-                assert_bits_equal(out.cpu(), want, f"rank {rank}: {label} cuda vs torch reference")
-            assert_bits_equal(x.cpu(), xs[rank], f"rank {rank}: {label} input changed")
-        except AssertionError as e:
-            bad.append(str(e))
+    bad = mismatches_vs_cpu(cuda, cpu, _cases(seed), rank, world)
     # In place (all_reduce and broadcast may run with out=x).
     for c in (case("all_reduce", torch.bfloat16, rows=9, width=17, seed=seed + 40),
               case("broadcast", torch.float32, rows=4, width=6, root=1, seed=seed + 41)):

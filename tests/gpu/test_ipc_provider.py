@@ -181,29 +181,32 @@ def _attempt(fn):
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
 
-def _ipc_failures_worker(rank, world):
-    from purlin_sglang.memory.ipc import IpcWorkspace
+def setup_failures_worker(rank, world, provider: str):
+    """Two failing set-ups of GPU provider ``provider`` on GPU 0 (each fails on one rank; every
+    rank must raise), then a good one: the group is still usable after failed set-ups."""
+    import torch.distributed as dist
 
+    from purlin_sglang.memory import device_provider
+
+    workspace = device_provider(provider)
     torch.cuda.set_device(0)
     n = 1 << 20
     out = {
-        # rank 1 names a GPU that does not exist: cudaSetDevice fails there, both raise.
-        "bad_device": _attempt(lambda: IpcWorkspace.create(n, None, 99 if rank == 1 else 0, rank, world)),
-        # rank 0 asks for more memory than any GPU has: cudaMalloc fails there, both raise.
-        "too_big": _attempt(lambda: IpcWorkspace.create(1 << 50 if rank == 0 else n, None, 0, rank, world)),
+        # rank 1 names a GPU that does not exist.
+        "bad_device": _attempt(lambda: workspace.create(n, None, 99 if rank == 1 else 0, rank, world)),
+        # rank 0 asks for more memory than any GPU has.
+        "too_big": _attempt(lambda: workspace.create(1 << 50 if rank == 0 else n, None, 0, rank, world)),
     }
-    # The group is still usable after failed set-ups.
-    ws = IpcWorkspace.create(n, None, 0, rank, world)
+    ws = workspace.create(n, None, 0, rank, world)
     out["after"] = len(ws.base_ptrs)
-    import torch.distributed as dist
-
     dist.barrier()
     ws.close()
     return out
 
 
 def test_ipc_setup_failure_raises_everywhere_quickly():
-    results = launch(_ipc_failures_worker, 2, timeout_s=120)
+    # bad_device: cudaSetDevice fails on rank 1; too_big: cudaMalloc fails on rank 0.
+    results = launch(setup_failures_worker, 2, "ipc", timeout_s=120)
     for rank, res in enumerate(results):
         kind, msg, elapsed = res["bad_device"]
         assert kind == "PurlinUnavailableError" and "rank 1: cudaSetDevice(99): cudaErrorInvalidDevice" in msg, msg

@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
 sys.path.insert(0, os.path.dirname(__file__))
-from _torch_reference import assert_bits_equal, case, case_call, case_expected, case_inputs, poison_like  # noqa: E402
-from test_ipc_provider import _attempt, check_results, exercise, make_layout  # noqa: E402
+from _torch_reference import case  # noqa: E402
+from _workers import mismatches_vs_cpu  # noqa: E402
+from test_ipc_provider import _attempt, check_results, exercise, make_layout, setup_failures_worker  # noqa: E402
 
 from purlin_sglang.memory.nvshmem import nvshmem_status  # noqa: E402
 from purlin_sglang.testing import launch  # noqa: E402
@@ -69,24 +70,7 @@ def _worker(rank, world, seed):
     cpu = ps.Communicator(None, "cpu", config={"staging_bytes": STAGING, "timeout_s": 30})
     out["same_session"] = nv._SESSION is session
     out["comm"] = {"engine": cuda.engine_name, "memory": cuda.memory, "hbm": cuda.hbm_bytes}
-    bad = []
-    for c in _cases(seed):
-        xs = case_inputs(c, world)
-        want, touched = case_expected(c, world, rank, xs)
-        ref = case_call(cpu, c, xs[rank].clone(), poison_like(want))
-        x = xs[rank].to(cuda.device)
-        got_out = poison_like(want).to(cuda.device)
-        got = case_call(cuda, c, x, got_out)
-        cuda.synchronize()
-        label = f"{c['coll']} {c['dtype']} rows={c['rows']} op={c['op']}"
-        try:
-            assert got is got_out
-            assert_bits_equal(got_out.cpu(), ref, f"rank {rank}: {label} cuda vs cpu")
-            if touched:
-                assert_bits_equal(got_out.cpu(), want, f"rank {rank}: {label} cuda vs torch reference")
-        except AssertionError as e:
-            bad.append(str(e))
-    out["bad"] = bad
+    out["bad"] = mismatches_vs_cpu(cuda, cpu, _cases(seed), rank, world)
     dist.barrier()  # no peer still reads my memory (close is local)
     cuda.close()
     cpu.close()
@@ -116,28 +100,10 @@ def test_nvshmem_two_processes_one_gpu_workspace_then_communicator():
     print(f"nvshmem one_gpu: round trip {[round(r['exercise']['round_trip_ms'], 3) for r in results]} ms")
 
 
-def _failures_worker(rank, world):
-    from purlin_sglang.memory.nvshmem import NvshmemWorkspace
-
-    torch.cuda.set_device(0)
-    n = 1 << 20
-    out = {
-        # rank 1 names a GPU that does not exist: refused there before NVSHMEM starts, both raise.
-        "bad_device": _attempt(lambda: NvshmemWorkspace.create(n, None, 99 if rank == 1 else 0, rank, world)),
-        # rank 0 asks for more memory than the GPU has: refused there before nvshmem_malloc, both raise.
-        "too_big": _attempt(lambda: NvshmemWorkspace.create(1 << 50 if rank == 0 else n, None, 0, rank, world)),
-    }
-    ws = NvshmemWorkspace.create(n, None, 0, rank, world)  # NVSHMEM starts here, after the failures
-    out["after"] = len(ws.base_ptrs)
-    import torch.distributed as dist
-
-    dist.barrier()
-    ws.close()  # exit without shutdown(): the driver cleans up
-    return out
-
-
 def test_nvshmem_setup_failure_raises_everywhere_quickly():
-    results = launch(_failures_worker, 2, timeout_s=120, env=ENV)
+    # bad_device: refused on rank 1 before NVSHMEM starts; too_big: refused on rank 0 before nvshmem_malloc;
+    # NVSHMEM starts at the good create after the failures (the processes exit without shutdown()).
+    results = launch(setup_failures_worker, 2, "nvshmem", timeout_s=120, env=ENV)
     for rank, res in enumerate(results):
         kind, msg, elapsed = res["bad_device"]
         assert kind == "PurlinUnavailableError" and "rank 1:" in msg and "device_index=99" in msg, msg
