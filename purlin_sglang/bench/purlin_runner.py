@@ -142,6 +142,11 @@ def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
                     step(j)
             finally:
                 g.capture_end()
+    # No rank replays before every rank has captured: a replayed call waits for the other ranks'
+    # kernels, and a rank still capturing may block in CUDA (graph instantiation) until the device's
+    # running work ends, which would then wait for each other until the timeout. Seen once in a long
+    # 8-rank sweep on the H200 (docs/RESULTS.md, 2026-12-02); bench_cuda_engine.py has this barrier.
+    barrier.wait()
     samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)
     del g
     return samples
