@@ -2,6 +2,7 @@
 // converts arguments; each kernel lives in kernels/ and launches through kernels::launch().
 #include <cuda_runtime.h>
 
+#include "kernels/bulk_copy_kernel.cuh"
 #include "kernels/copy_kernel.cuh"
 #include "purlin/native.h"
 
@@ -22,4 +23,9 @@ PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* 
 PURLIN_API int purlin_copy_atom_ex(void* dst, const void* src, size_t bytes, void* stream, int max_blocks) {
   return static_cast<int>(
       purlin::kernels::launch_copy(dst, src, bytes, static_cast<cudaStream_t>(stream), max_blocks));
+}
+
+PURLIN_API int purlin_copy_atom_bulk(void* dst, const void* src, size_t bytes, void* stream, int max_blocks) {
+  return static_cast<int>(
+      purlin::kernels::launch_bulk_copy(dst, src, bytes, static_cast<cudaStream_t>(stream), max_blocks));
 }

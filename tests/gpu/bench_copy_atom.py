@@ -51,6 +51,18 @@ def main() -> None:
         n = mib << 20
         case(f"torch copy_ {mib} MiB", n, lambda n=n: dst[:n].copy_(src[:n]))
         case(f"copy_atom {mib} MiB", n, lambda n=n: lib.copy_atom(base_d, base_s, n, sid))
+    bulk = torch.cuda.get_device_capability(dev)[0] >= 9
+    for kib in (64, 256, 1024, 4096, 16384, 65536, args.mib << 10):  # the bulk (TMA) atom, per size
+        n = kib << 10
+        case(f"copy_atom {kib} KiB", n, lambda n=n: lib.copy_atom(base_d, base_s, n, sid))
+        if bulk:
+            case(f"copy_atom_bulk {kib} KiB", n, lambda n=n: lib.copy_atom_bulk(base_d, base_s, n, sid))
+    if bulk:
+        for blocks in (66, 132):
+            case(f"copy_atom_bulk {args.mib} MiB max_blocks={blocks}", total,
+                 lambda b=blocks: lib.copy_atom_bulk(base_d, base_s, total, sid, max_blocks=b))
+        torch.cuda.synchronize()
+        assert torch.equal(dst[:total], src[:total]), "copy_atom_bulk result differs from src"
     n = total
     for blocks in (16, 132, 264):
         case(f"copy_atom {args.mib} MiB max_blocks={blocks}", n,

@@ -25,6 +25,11 @@ PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* 
 // Same, with at most `max_blocks` thread blocks (0 = enough to fill the device): collectives
 // bound the SMs a copy may take.
 PURLIN_API int purlin_copy_atom_ex(void* dst, const void* src, size_t bytes, void* stream, int max_blocks);
+// The Hopper bulk-copy (TMA) variant of the copy atom (ABI 5): same contract, for dst and src
+// that agree in their misalignment modulo 16; cudaErrorNotSupported on GPUs older than sm_90, on
+// builds without sm_90 code and for other pairs. Through shared memory, so measured per size
+// against the plain atom (docs/RESULTS.md) before any caller uses it.
+PURLIN_API int purlin_copy_atom_bulk(void* dst, const void* src, size_t bytes, void* stream, int max_blocks);
 
 // Reduce atom (ABI 2). Element types, the `dtype` argument (0 is no type, on purpose):
 enum purlin_dtype {
