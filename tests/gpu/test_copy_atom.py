@@ -46,14 +46,17 @@ def test_copy_atom_exact_and_bounded(lib, nbytes):
             assert bool((got[dst_off + nbytes :] == POISON).all()), ctx + " (wrote past dst + nbytes)"
 
 
-def test_copy_atom_on_a_side_stream_and_bounded_blocks(lib):
+@pytest.mark.parametrize("atom", ["copy_atom", "copy_atom_bulk"])
+def test_copy_atom_on_a_side_stream_and_bounded_blocks(lib, atom):
+    if atom == "copy_atom_bulk" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk-copy atom needs sm_90 or newer")
     n = (8 << 20) + 5
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.full((n,), POISON, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        lib.copy_atom(dst.data_ptr(), src.data_ptr(), n, side.cuda_stream, max_blocks=3)
+        getattr(lib, atom)(dst.data_ptr(), src.data_ptr(), n, side.cuda_stream, max_blocks=3)
     side.synchronize()
     assert torch.equal(dst, src)
 
