@@ -593,8 +593,9 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         raise
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
+    release_streams = None
     if cuda:  # one stream per rank; inputs made before the call are complete before any rank starts
-        streams = [torch.cuda.Stream(device=vworld.device) for _ in range(world_size)]
+        streams, release_streams = _rank_streams(vworld.device, world_size)
         torch.cuda.synchronize(vworld.device)
 
     def call(r: int) -> Any:
@@ -630,6 +631,8 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         for c in comms:
             c.close()
         vworld.close()
+        if release_streams is not None and not any(t.is_alive() for t in threads):
+            release_streams()  # (a rank thread still alive keeps its stream: leaked, not freed under it)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed
@@ -638,6 +641,42 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
             e.add_note(f"run_virtual: ranks {[f[0] for f in failed]} failed; this is rank {r}'s error")
         raise e
     return results
+
+
+def _rank_streams(device: torch.device, n: int) -> tuple[list, Any]:
+    """``n`` CUDA streams of the rank threads, and a function that releases them.
+
+    Not torch's pool: ``torch.cuda.Stream()`` hands out 32 pooled streams round robin, so a rank's
+    stream could be the very stream another rank (or code in a rank thread that makes its own
+    ``torch.cuda.Stream()``) runs on; two ranks on one stream wait for each other's kernels and time
+    out. Streams of their own come from cuda-python when it is importable; otherwise pooled streams,
+    checked to be distinct here (code in rank threads must then not make streams of its own).
+    """
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        cudart = None
+    if cudart is not None:
+        handles = []
+        with torch.cuda.device(device):
+            for _ in range(n):
+                err, h = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+                if int(err) != 0:
+                    for made in handles:
+                        cudart.cudaStreamDestroy(made)
+                    raise PurlinError(f"run_virtual: cudaStreamCreateWithFlags failed with CUDA error {int(err)}")
+                handles.append(h)
+
+        def release() -> None:
+            for h in handles:
+                cudart.cudaStreamDestroy(h)
+
+        return [torch.cuda.ExternalStream(int(h), device=device) for h in handles], release
+    streams = [torch.cuda.Stream(device=device) for _ in range(n)]
+    if len({s.cuda_stream for s in streams}) != n:
+        raise PurlinError(f"run_virtual: torch's stream pool gave {n} ranks fewer than {n} distinct streams; "
+                          "install cuda-python so the ranks get streams of their own")
+    return streams, None
 
 
 __all__ = ["Communicator", "run_virtual", "PurlinError", "PurlinPlanError"]

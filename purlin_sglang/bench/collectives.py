@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 except Exception as e:  # noqa: BLE001 - reported per row, the run goes on
                     msg = f"{type(e).__name__}: {e}"
+                    if getattr(e, "purlin_where", None):
+                        msg = f"{msg.splitlines()[0] if msg.strip() else msg} ({e.purlin_where})"
                     sys.stderr.write(f"  purlin {mode} world {world} {name}: FAILED {msg}\n")
                     rows.extend(error_row("purlin", c, mode, args.dtype, msg) for c in cases)
                     continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +58,18 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
     board: dict[tuple[int, int], torch.Tensor] = {}
     barrier = threading.Barrier(world)
     check_lock = threading.Lock()  # one reference at a time: bounds the memory it needs
+    where: dict[int, str] = {}  # rank -> the case and stage it is in (for a failure's message)
 
     def fn(comm):
         r, dev, stream = comm.rank, comm.device, _rank_stream(comm)
+        # One capture stream per rank for the whole run, made here once: torch's 32 pooled streams
+        # go round robin, so a stream made per case would soon be another rank's capture or replay
+        # stream, and two ranks on one stream wait for each other (the timeouts and "invalid
+        # argument" errors of the 2026-12-02 long sweep, docs/RESULTS.md).
+        side = torch.cuda.Stream(dev) if mode == "graph" and dev.type == "cuda" else None
         mine = []
         for ci, case in enumerate(cases):
+            where[r] = f"{human_bytes(case.nbytes)}, inputs"
             # on one device every rank's inputs share one L2
             nbuf = opts.buffers(case, world if dev.type == "cuda" else 1)
             xs = [fresh_input(case, opts.dtype, dev, input_seed(opts.seed, ci, r, j)) for j in range(nbuf)]
@@ -69,6 +77,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             board[(ci, r)] = xs[0]
             sync(stream)
             barrier.wait()
+            where[r] = f"{human_bytes(case.nbytes)}, checked call"
             got = purlin_call(comm, case, xs[0], out)
             sync(stream)
             with check_lock:
@@ -79,6 +88,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             def step(i: int) -> None:
                 purlin_call(comm, case, xs[i % nbuf], out)
 
+            where[r] = f"{human_bytes(case.nbytes)}, timing"
             if mode == "eager":
                 for i in range(opts.warmup):
                     step(i)
@@ -86,7 +96,8 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
                 barrier.wait()
                 samples = time_each(step, opts.iters, stream)
             else:
-                samples = _graph_samples(comm, step, stream, barrier, opts)
+                samples = _graph_samples(comm, step, stream, side, barrier, opts,
+                                         lambda stage, r=r, c=case: where.__setitem__(r, f"{human_bytes(c.nbytes)}, {stage}"))
             mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf})
             if r == 0:
                 sys.stderr.write(f"  purlin {mode:<5} world {world} {collective:<16} {human_bytes(case.nbytes):>6} "
@@ -103,6 +114,11 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
         except threading.BrokenBarrierError:
             raise
         except BaseException as e:
+            # where it happened: the rank, case, stage and innermost frame (CUDA errors from torch
+            # name no call of ours otherwise); the report prints it after the message
+            tb = traceback.extract_tb(e.__traceback__)
+            frame = f"{tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno} {tb[-1].name}" if tb else "?"
+            e.purlin_where = f"rank {comm.rank}, {where.get(comm.rank, 'setup')}, in {frame}"
             first.append(e)
             barrier.abort()  # release the ranks waiting at a host barrier
             raise
@@ -118,7 +134,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 _CAPTURE_LOCK = threading.Lock()
 
 
-def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
+def _graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None) -> list[float]:
     """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
 
     CUDAGraph.capture_begin/end are used rather than the ``torch.cuda.graph`` context because
@@ -126,8 +142,7 @@ def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
     interfere with the other virtual ranks capturing at the same time; the capture is
     thread-local for the same reason.
     """
-    dev = comm.device
-    side = torch.cuda.Stream(dev)
+    stage("capture")
     side.wait_stream(stream)
     g = torch.cuda.CUDAGraph()
     # One capture at a time in the process: torch registers its CUDA generator's state with the
@@ -147,6 +162,7 @@ def _graph_samples(comm, step, stream, barrier, opts: Options) -> list[float]:
     # running work ends, which would then wait for each other until the timeout. Seen once in a long
     # 8-rank sweep on the H200 (docs/RESULTS.md, 2026-12-02); bench_cuda_engine.py has this barrier.
     barrier.wait()
+    stage("replays")
     samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)
     del g
     return samples

@@ -195,3 +195,33 @@ def test_timeout_names_op_rank_and_peer_then_a_new_world_works():
 
     res = ps.run_virtual(3, fresh, device="cuda", config={"timeout_s": timeout})
     assert all(torch.equal(t, torch.full((8,), 3.0)) for t in res)
+
+
+def test_ranks_keep_streams_of_their_own_when_rank_code_makes_many_streams():
+    """Two ranks on one stream wait for each other (packets queued behind a spinning kernel). Rank
+    code that makes more streams than torch's pool of 32 must not land on another rank's stream."""
+    world, n = 8, 64 * 1024 // 2
+    seen: dict[int, int] = {}
+    ready = threading.Barrier(world)  # no rank allocates while another's kernel spins (DESIGN.md)
+
+    def fn(comm):
+        own = torch.cuda.current_stream().cuda_stream
+        extra = [torch.cuda.Stream() for _ in range(40)]  # more than the pool's 32: it wraps
+        assert own not in {s.cuda_stream for s in extra}, "a pooled stream is this rank's own stream"
+        gen = torch.Generator(device="cuda").manual_seed(SEED + comm.rank)
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.full_like(x, float("nan"))
+        torch.cuda.current_stream().synchronize()
+        ready.wait()
+        comm.all_reduce(x, out=out)
+        comm.synchronize()
+        seen[comm.rank] = own
+        return x.cpu(), out.cpu()
+
+    res = ps.run_virtual(world, fn, device="cuda", config=CFG)
+    assert len(set(seen.values())) == world, f"ranks share streams: {seen}"
+    acc = res[0][0].float()
+    for x, _ in res[1:]:
+        acc += x.float()  # rank order, f32: what the engine computes
+    for r, (_, got) in enumerate(res):
+        assert torch.equal(got, acc.to(torch.bfloat16)), f"rank {r}: all_reduce differs (seed {SEED})"
