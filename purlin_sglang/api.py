@@ -593,7 +593,6 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         raise
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
-    release_streams = None
     if cuda:  # one stream per rank; inputs made before the call are complete before any rank starts
         streams, release_streams = _rank_streams(vworld.device, world_size)
         torch.cuda.synchronize(vworld.device)
@@ -631,7 +630,7 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         for c in comms:
             c.close()
         vworld.close()
-        if release_streams is not None and not any(t.is_alive() for t in threads):
+        if cuda and not any(t.is_alive() for t in threads):
             release_streams()  # (a rank thread still alive keeps its stream: leaked, not freed under it)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
@@ -643,7 +642,7 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     return results
 
 
-def _rank_streams(device: torch.device, n: int) -> tuple[list, Any]:
+def _rank_streams(device: torch.device, n: int) -> tuple[list, Callable[[], None]]:
     """``n`` CUDA streams of the rank threads, and a function that releases them.
 
     Not torch's pool: ``torch.cuda.Stream()`` hands out 32 pooled streams round robin, so a rank's
@@ -652,9 +651,11 @@ def _rank_streams(device: torch.device, n: int) -> tuple[list, Any]:
     out. Streams of their own come from cuda-python when it is importable; otherwise pooled streams,
     checked to be distinct here (code in rank threads must then not make streams of its own).
     """
+    from .memory.ipc import _error_text, _load_cudart
+
     try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
+        cudart = _load_cudart()
+    except PurlinUnavailableError:
         cudart = None
     if cudart is not None:
         handles = []
@@ -664,7 +665,7 @@ def _rank_streams(device: torch.device, n: int) -> tuple[list, Any]:
                 if int(err) != 0:
                     for made in handles:
                         cudart.cudaStreamDestroy(made)
-                    raise PurlinError(f"run_virtual: cudaStreamCreateWithFlags failed with CUDA error {int(err)}")
+                    raise PurlinError(f"run_virtual: cudaStreamCreateWithFlags: {_error_text(cudart, err)}")
                 handles.append(h)
 
         def release() -> None:
@@ -676,7 +677,7 @@ def _rank_streams(device: torch.device, n: int) -> tuple[list, Any]:
     if len({s.cuda_stream for s in streams}) != n:
         raise PurlinError(f"run_virtual: torch's stream pool gave {n} ranks fewer than {n} distinct streams; "
                           "install cuda-python so the ranks get streams of their own")
-    return streams, None
+    return streams, lambda: None
 
 
 __all__ = ["Communicator", "run_virtual", "PurlinError", "PurlinPlanError"]

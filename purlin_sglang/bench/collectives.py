@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as e:  # noqa: BLE001 - reported per row, the run goes on
                     msg = f"{type(e).__name__}: {e}"
                     if getattr(e, "purlin_where", None):
-                        msg = f"{msg.splitlines()[0] if msg.strip() else msg} ({e.purlin_where})"
+                        msg = f"{msg.splitlines()[0]} ({e.purlin_where})"
                     sys.stderr.write(f"  purlin {mode} world {world} {name}: FAILED {msg}\n")
                     rows.extend(error_row("purlin", c, mode, args.dtype, msg) for c in cases)
                     continue

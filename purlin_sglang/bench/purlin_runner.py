@@ -58,7 +58,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
     board: dict[tuple[int, int], torch.Tensor] = {}
     barrier = threading.Barrier(world)
     check_lock = threading.Lock()  # one reference at a time: bounds the memory it needs
-    where: dict[int, str] = {}  # rank -> the case and stage it is in (for a failure's message)
+    where: dict[int, tuple[Case, str]] = {}  # rank -> the case and stage it is in (for a failure's message)
 
     def fn(comm):
         r, dev, stream = comm.rank, comm.device, _rank_stream(comm)
@@ -69,7 +69,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
         side = torch.cuda.Stream(dev) if mode == "graph" and dev.type == "cuda" else None
         mine = []
         for ci, case in enumerate(cases):
-            where[r] = f"{human_bytes(case.nbytes)}, inputs"
+            where[r] = (case, "inputs")
             # on one device every rank's inputs share one L2
             nbuf = opts.buffers(case, world if dev.type == "cuda" else 1)
             xs = [fresh_input(case, opts.dtype, dev, input_seed(opts.seed, ci, r, j)) for j in range(nbuf)]
@@ -77,7 +77,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             board[(ci, r)] = xs[0]
             sync(stream)
             barrier.wait()
-            where[r] = f"{human_bytes(case.nbytes)}, checked call"
+            where[r] = (case, "checked call")
             got = purlin_call(comm, case, xs[0], out)
             sync(stream)
             with check_lock:
@@ -88,7 +88,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             def step(i: int) -> None:
                 purlin_call(comm, case, xs[i % nbuf], out)
 
-            where[r] = f"{human_bytes(case.nbytes)}, timing"
+            where[r] = (case, "timing")
             if mode == "eager":
                 for i in range(opts.warmup):
                     step(i)
@@ -97,7 +97,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
                 samples = time_each(step, opts.iters, stream)
             else:
                 samples = _graph_samples(comm, step, stream, side, barrier, opts,
-                                         lambda stage, r=r, c=case: where.__setitem__(r, f"{human_bytes(c.nbytes)}, {stage}"))
+                                         lambda stage, r=r, c=case: where.__setitem__(r, (c, stage)))
             mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf})
             if r == 0:
                 sys.stderr.write(f"  purlin {mode:<5} world {world} {collective:<16} {human_bytes(case.nbytes):>6} "
@@ -118,7 +118,9 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             # name no call of ours otherwise); the report prints it after the message
             tb = traceback.extract_tb(e.__traceback__)
             frame = f"{tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno} {tb[-1].name}" if tb else "?"
-            e.purlin_where = f"rank {comm.rank}, {where.get(comm.rank, 'setup')}, in {frame}"
+            case, stage = where.get(comm.rank, (None, "setup"))
+            at = f"{human_bytes(case.nbytes)}, {stage}" if case is not None else stage
+            e.purlin_where = f"rank {comm.rank}, {at}, in {frame}"
             first.append(e)
             barrier.abort()  # release the ranks waiting at a host barrier
             raise
