@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from datetime import timedelta
 from typing import Any, Hashable, Optional, Sequence
@@ -72,6 +73,8 @@ class PurlinGroupCommunicator:
         self._capture_depth = 0                 # > 0 inside GroupCoordinator.graph_capture
         self._warm: OrderedDict = OrderedDict()  # keys of calls served (LRU, at most WARM_KEYS)
         self._group = group
+        self._report_every = float(self.config.report_interval_s)
+        self._last_report = time.monotonic()
         self._comm: Optional[Communicator] = None
         if self.world_size > 1:
             self._comm = Communicator(group, self.device, config=self.config.purlin)
@@ -123,7 +126,15 @@ class PurlinGroupCommunicator:
             return True
         if reason != "bypass":
             self.fallbacks[(op, reason)] += 1
+            self._maybe_report()
         return False
+
+    def _maybe_report(self) -> None:
+        """Log :meth:`summary` at most every ``report_interval_s`` (never while capturing a graph)."""
+        if self._report_every and time.monotonic() - self._last_report >= self._report_every \
+                and not self.is_capturing():
+            self._last_report = time.monotonic()
+            logger.info("%s", self.summary())
 
     def _served(self, op: str, key: Hashable) -> None:
         """Count a served call and remember its key as warmed up (counted as captured while capturing)."""
@@ -134,6 +145,7 @@ class PurlinGroupCommunicator:
         self._warm.move_to_end(key)
         while len(self._warm) > WARM_KEYS:
             self._warm.popitem(last=False)
+        self._maybe_report()
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether the call named ``key`` (see the ``*_key`` helpers) was served eagerly before."""

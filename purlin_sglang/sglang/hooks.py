@@ -43,6 +43,13 @@ def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
         help="YAML file for --comm-backend purlin: PurlinConfig keys and an optional 'routing:' table "
              "(see configs/purlin.yaml).",
     )
+    group.add_argument(
+        "--purlin-nccl-free", action="store_true", default=False,
+        help="Opt-in: run every tensor-parallel rank on the visible GPU(s) without NCCL (several ranks may share "
+             "one GPU): ranks' GPU ids fold onto the visible GPUs, the device groups are gloo, pynccl and custom "
+             "all-reduce are off; with --comm-backend purlin every device collective goes through purlin (use "
+             "configs/purlin-nccl-free.yaml), with nccl SGLang's own collectives run on gloo (a reference).",
+    )
     return None
 
 
@@ -50,7 +57,8 @@ def from_cli_args(result: Any, cls: Any, args: argparse.Namespace) -> None:
     """AFTER ServerArgs.from_cli_args: carry the choice on the record (an underscore attribute pickles)."""
     from . import plugin
 
-    plugin.set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None))
+    plugin.set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None),
+                            bool(getattr(args, "purlin_nccl_free", False)))
     return None
 
 
@@ -62,21 +70,28 @@ def coordinator_init(original, self, *args, **kwargs):
     """AROUND GroupCoordinator.__init__: with purlin, switch SGLang's competing all-reduce paths off
     in this process (custom AR, mscclpp, torch symm-mem, FlashInfer fusion: see conflicts.py) and for
     this group, and attach ``self.purlin_comm`` (collective over the group's CPU group, on the group's
-    device: the CUDA engine for CUDA groups). PyNccl stays: it is the fallback."""
+    device: the CUDA engine for CUDA groups). PyNccl stays: it is the fallback.
+
+    With ``--purlin-nccl-free`` (either backend; single_gpu.py) pynccl is off too (NCCL refuses several
+    ranks on one GPU): the fallback is then SGLang's torch.distributed path on the gloo device group."""
     from . import conflicts, plugin
 
     settings = plugin.active_settings()
-    if settings.backend != "purlin":
+    if settings.backend != "purlin" and not settings.nccl_free:
         self.purlin_comm = None
         return original(self, *args, **kwargs)
-    plugin.verify_hooks(plugin.WORKER_TARGETS)
+    plugin.verify_hooks(plugin.NCCL_FREE_TARGETS if settings.backend != "purlin" else plugin.WORKER_TARGETS)
     conflicts.switch_off()
+    params = inspect.signature(original).parameters
     bound = inspect.signature(original).bind(self, *args, **kwargs)
-    for name in _OFF_WITH_PURLIN:
-        if name in inspect.signature(original).parameters:
+    off = _OFF_WITH_PURLIN + (("use_pynccl",) if settings.nccl_free else ())
+    for name in off:
+        if name in params:
             bound.arguments[name] = False
     self.purlin_comm = None
     original(*bound.args, **bound.kwargs)
+    if settings.backend != "purlin":
+        return
     group_name = self.unique_name.split(":")[0]
     config = settings.load_config()
     if self.world_size > 1 and config.routing.covers(group_name):
@@ -89,6 +104,10 @@ def coordinator_init(original, self, *args, **kwargs):
                 f"--comm-backend purlin: cannot build the purlin communicator for group {self.unique_name} "
                 f"on {self.device}: {e}; run with --comm-backend nccl, or fix the cause"
             ) from e
+        logger.info("purlin_sglang: group %s: %d ranks on %s through purlin (engine %s)", self.unique_name,
+                    self.world_size, self.device, self.purlin_comm.engine)
+    elif config.routing.covers(group_name):
+        logger.info("purlin_sglang: group %s has one rank: no collective to route", self.unique_name)
 
 
 def resolve_outplace_all_reduce_method(original, self, input_, *args, **kwargs):

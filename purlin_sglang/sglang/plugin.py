@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from ..errors import PurlinError
-from . import conflicts, hooks
+from . import conflicts, hooks, single_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ SUPPORTED_SGLANG = "0.5.23"
 BACKENDS = ("nccl", "purlin")
 
 _SA = "sglang.srt.server_args.ServerArgs"
-_GC = "sglang.srt.distributed.parallel_state.GroupCoordinator"
+_PS = "sglang.srt.distributed.parallel_state"
+_GC = f"{_PS}.GroupCoordinator"
 
 # (target, hook type, hook). The only places where purlin touches SGLang.
 HOOKS: list[tuple[str, str, Callable]] = [
@@ -51,10 +52,17 @@ HOOKS: list[tuple[str, str, Callable]] = [
     (f"{_GC}._all_to_all_single", "AROUND", hooks.all_to_all_single),
     (f"{_GC}.graph_capture", "AROUND", hooks.graph_capture),
     (f"{_GC}.destroy", "BEFORE", hooks.destroy),
+    # --purlin-nccl-free (single_gpu.py): rank -> GPU mapping in the launcher, gloo instead of nccl.
+    ("sglang.srt.utils.common.maybe_reindex_device_id", "AROUND", single_gpu.reindex_device_id),
+    (f"{_PS}.get_default_distributed_backend", "AROUND", single_gpu.distributed_backend),
 ]
 # Not hooks but switched with purlin on (conflicts.py): the flags and config fields of SGLang's
 # competing all-reduce paths; checked to exist with the hooks.
 WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC)) + conflicts.TARGETS
+# What --purlin-nccl-free needs in effect (with either backend): checked when the flag is parsed.
+NCCL_FREE_TARGETS = (f"{_GC}.__init__", f"{_GC}.all_gatherv", f"{_GC}.reduce_scatterv",
+                     "sglang.srt.utils.common.maybe_reindex_device_id",
+                     f"{_PS}.get_default_distributed_backend") + conflicts.TARGETS
 
 _registered = False
 
@@ -145,6 +153,7 @@ def _installed_version() -> str:
 class CommSettings:
     backend: str = "nccl"
     config_path: Optional[str] = None
+    nccl_free: bool = False  # --purlin-nccl-free (single_gpu.py)
 
     def load_config(self):
         from .routing import PluginConfig
@@ -154,6 +163,7 @@ class CommSettings:
 
 _ATTR_BACKEND = "_purlin_comm_backend"
 _ATTR_CONFIG = "_purlin_config_path"
+_ATTR_NCCL_FREE = "_purlin_nccl_free"
 _process_settings: Optional[CommSettings] = None
 
 
@@ -169,11 +179,13 @@ def backend_arg(value: str) -> str:
     return value
 
 
-def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] = None) -> None:
+def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] = None,
+                     nccl_free: bool = False) -> None:
     """Record the choice on a ServerArgs (also for Engine users who build ServerArgs in code).
 
     With ``purlin``, the hooks are verified and the config file is read now, so mistakes
-    surface at start-up in the launcher rather than in a worker.
+    surface at start-up in the launcher rather than in a worker. ``nccl_free``
+    (``--purlin-nccl-free``, either backend) verifies the hooks that mode needs.
     """
     if backend not in BACKENDS:
         raise PurlinPluginError(f"--comm-backend: {backend!r} is not one of {list(BACKENDS)}")
@@ -184,12 +196,20 @@ def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] 
         CommSettings(backend, config_path).load_config()
     elif config_path is not None:
         logger.warning("--purlin-config %s is ignored: --comm-backend is %s", config_path, backend)
+    if nccl_free:
+        missing = missing_hooks(NCCL_FREE_TARGETS)
+        if missing:
+            raise PurlinPluginError(
+                f"{single_gpu.FLAG}: SGLang hooks not in effect: {'; '.join(missing)}. This plugin supports "
+                f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()})")
     setattr(server_args, _ATTR_BACKEND, backend)
     setattr(server_args, _ATTR_CONFIG, config_path)
+    setattr(server_args, _ATTR_NCCL_FREE, bool(nccl_free))
 
 
 def settings_of(server_args: Any) -> CommSettings:
-    return CommSettings(getattr(server_args, _ATTR_BACKEND, "nccl"), getattr(server_args, _ATTR_CONFIG, None))
+    return CommSettings(getattr(server_args, _ATTR_BACKEND, "nccl"), getattr(server_args, _ATTR_CONFIG, None),
+                        bool(getattr(server_args, _ATTR_NCCL_FREE, False)))
 
 
 def active_settings() -> CommSettings:
@@ -205,12 +225,12 @@ def active_settings() -> CommSettings:
 
 
 @contextlib.contextmanager
-def activate(backend: str, config_path: Optional[str] = None):
+def activate(backend: str, config_path: Optional[str] = None, nccl_free: bool = False):
     """Use ``backend`` for GroupCoordinators built in this process inside the context (tests, tools)."""
     global _process_settings
     if backend not in BACKENDS:
         raise PurlinPluginError(f"activate: {backend!r} is not one of {list(BACKENDS)}")
-    prev, _process_settings = _process_settings, CommSettings(backend, config_path)
+    prev, _process_settings = _process_settings, CommSettings(backend, config_path, nccl_free)
     try:
         yield _process_settings
     finally:

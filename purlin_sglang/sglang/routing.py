@@ -73,6 +73,9 @@ class PluginConfig(BaseModel):
 
     purlin: PurlinConfig = Field(default_factory=PurlinConfig)
     routing: RoutingTable = Field(default_factory=RoutingTable)
+    # Seconds between routing summaries in the log while serving (0: only at destroy, which a killed
+    # server never reaches).
+    report_interval_s: float = Field(0.0, ge=0)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PluginConfig":
@@ -95,6 +98,9 @@ class PluginConfig(BaseModel):
             raise PurlinConfigError(f"{source}: expected a mapping, got {type(data).__name__}")
         data = dict(data)
         routing = data.pop("routing", None) or {}
+        report = data.pop("report_interval_s", 0.0)
+        if isinstance(report, bool) or not isinstance(report, (int, float)) or report < 0:
+            raise PurlinConfigError(f"{source}: key 'report_interval_s': need seconds >= 0 (got {report!r})")
         purlin = PurlinConfig.from_dict(data, source=source)
         try:
             table = RoutingTable.model_validate(routing)
@@ -108,4 +114,4 @@ class PluginConfig(BaseModel):
                 else:
                     lines.append(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})")
             raise PurlinConfigError("; ".join(lines)) from None
-        return cls(purlin=purlin, routing=table)
+        return cls(purlin=purlin, routing=table, report_interval_s=float(report))
