@@ -43,7 +43,9 @@ BENCH_DEFAULTS = {"dataset_name": "random", "num_prompts": 200, "random_input_le
 SERVER_FLAGS = ("model_path", "tp_size", "load_format", "purlin_config")  # passed only when given
 # Flags owned by this command: given after --, they would contradict what it records.
 OWNED = {f"--{k.replace('_', '-')}" for k in (*BENCH_DEFAULTS, *SERVER_FLAGS)} | {
-    "--dataset-path", "--comm-backend", "--config", "--result-filename", "--tensor-parallel-size"}
+    "--dataset-path", "--comm-backend", "--config", "--result-filename", "--tensor-parallel-size",
+    "--purlin-nccl-free"}
+NCCL_FREE_FLAG = "--purlin-nccl-free"  # the plugin's NCCL-free mode (purlin_sglang/sglang/single_gpu.py)
 # The keys of one result line of SGLang's benchmark (written with --result-filename).
 RESULT_KEYS = ("backend", "successful_requests", "total_latency", "total_input_tokens",
                "total_output_tokens", "request_throughput", "input_throughput", "output_throughput",
@@ -139,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--model-path", help="the model directory (e.g. one made by examples/make_tiny_model.py)")
     a("--tp-size", "--tp", dest="tp_size", type=int, help="tensor-parallel size (GPUs)")
     a("--load-format", help="SGLang's --load-format, e.g. dummy (random weights, nothing read)")
+    a("--nccl-free", action="store_true", default=None,
+      help="every run with the plugin's --purlin-nccl-free (TP ranks may share a GPU; gloo device groups): "
+           "the nccl run is then SGLang's own collectives on gloo, the reference for purlin; the GPU-count "
+           "check asks for one GPU only (also purlin-nccl-free: true in --config)")
     a("--dataset-name", choices=DATASET_NAMES, help=f"default {BENCH_DEFAULTS['dataset_name']}")
     a("--dataset-path", help="a local ShareGPT-format JSON file (default: generate one in --out from --seed)")
     a("--num-prompts", type=int, help=f"default {BENCH_DEFAULTS['num_prompts']}")
@@ -170,6 +176,7 @@ class Plan:
     passthrough: list[str] = field(default_factory=list)
     timeout: float = 3600.0
     tp: int = 1  # the tensor-parallel size, from the command line or --config (for the GPU count check)
+    nccl_free: bool = False  # --purlin-nccl-free for every run (ranks may share a GPU)
 
 
 def read_sglang_config(path: Optional[str]) -> dict[str, Any]:
@@ -225,8 +232,9 @@ def resolve(args: argparse.Namespace) -> Plan:
         raise OfflineError(f"bench offline: tp-size must be a positive integer, got {tp!r}")
     out = Path(args.out) if args.out else Path("bench-results") / _dt.datetime.now().strftime("offline-%Y%m%d-%H%M%S")
     dataset = args.dataset_path if args.dataset_path is not None else cfg.get("dataset_path")
+    nccl_free = bool(args.nccl_free if args.nccl_free is not None else cfg.get("purlin_nccl_free", False))
     return Plan(backends, bench, server, args.config, cfg, dataset, out, args.benchmark_module, passthrough,
-                args.timeout, int(tp))
+                args.timeout, int(tp), nccl_free)
 
 
 def child_command(plan: Plan, backend: str, dataset_path: str, result_path: str) -> list[str]:
@@ -237,6 +245,8 @@ def child_command(plan: Plan, backend: str, dataset_path: str, result_path: str)
     for k in SERVER_FLAGS:
         if k in plan.server:
             cmd += [f"--{k.replace('_', '-')}", str(plan.server[k])]
+    if plan.nccl_free:
+        cmd.append(NCCL_FREE_FLAG)
     cmd += plan.passthrough
     for k in BENCH_DEFAULTS:
         cmd += [f"--{k.replace('_', '-')}", str(plan.bench[k])]
@@ -258,8 +268,9 @@ def preflight(plan: Plan) -> Optional[str]:
         return ("bench offline: SGLang's offline benchmark serves the model and needs a CUDA GPU; torch sees "
                 "none here (--dry-run still shows what would run)")
     tp, n = plan.tp, torch.cuda.device_count()
-    if tp > n:
-        return f"bench offline: --tp-size {tp} needs {tp} GPUs; torch sees {n}"
+    if tp > n and not plan.nccl_free:
+        return (f"bench offline: --tp-size {tp} needs {tp} GPUs; torch sees {n} (--nccl-free runs several ranks "
+                "on one GPU, without NCCL)")
     return None
 
 
@@ -414,6 +425,9 @@ def run(args: argparse.Namespace) -> int:
     except OfflineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan.nccl_free:
+        print("bench offline: --nccl-free: every run with --purlin-nccl-free; 'nccl' = SGLang's own collectives on "
+              "gloo", flush=True)
     print(f"bench offline: {' then '.join(plan.backends)}; {plan.bench['num_prompts']} prompts "
           f"({plan.bench['dataset_name']}, seed {plan.bench['seed']}) from {dataset['path']}", flush=True)
     runs, results, failed = [], {}, None
@@ -455,6 +469,9 @@ def run(args: argparse.Namespace) -> int:
     rows = compare_table(results)
     doc = {"command": "purlin-sglang bench offline", "environment": _environment(),
            "settings": {"backends": plan.backends, **plan.bench, "server": plan.server, "tp_size": plan.tp,
+                        "nccl_free": plan.nccl_free,
+                        "nccl_means": "SGLang's own collectives on gloo device groups (--purlin-nccl-free)"
+                        if plan.nccl_free else "SGLang's own collectives (NCCL and its custom paths)",
                         "config_file": plan.config, "config": plan.config_values,
                         "sglang_args": plan.passthrough, "benchmark_module": plan.module},
            "dataset": dataset, "runs": runs, "table": rows, "failed": failed}

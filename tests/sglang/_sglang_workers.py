@@ -385,3 +385,41 @@ def capture_paths(rank: int, world: int, config_path: str) -> dict:
              "fallbacks": {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()}, "summary": pc.summary()}
     g.destroy()
     return facts
+
+
+def nccl_free_groups(rank: int, world: int, config_path: str) -> dict:
+    """--purlin-nccl-free: gloo backend answered for cuda, pynccl / custom AR off whatever SGLang asks, and the
+    V forms (which need pynccl in SGLang) served by purlin; with nccl the same group runs SGLang's own paths."""
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.plugins import load_plugins
+
+    from purlin_sglang.sglang import plugin
+
+    load_plugins()
+    asked = dict(GC_FLAGS, use_pynccl=True, use_custom_allreduce=True)
+    facts = {"backend_default": ps.get_default_distributed_backend("cuda")}
+    sizes = [r + 1 for r in range(world)]
+    x = _rows(rank, sizes[rank])
+    with plugin.activate("nccl", None, nccl_free=True):
+        facts["backend_nccl_free"] = ps.get_default_distributed_backend("cuda")
+        facts["backend_cpu"] = ps.get_default_distributed_backend("cpu")
+        ref = GroupCoordinator([list(range(world))], rank, "gloo", group_name="tp", **asked)
+    facts["ref"] = dict(use_pynccl=ref.use_pynccl, ca=ref.use_custom_allreduce, purlin=ref.purlin_comm is not None)
+    try:
+        ref.all_gatherv(x, sizes=sizes)
+        facts["ref_gatherv"] = "ran"
+    except Exception as e:  # noqa: BLE001 - SGLang's all_gatherv needs pynccl
+        facts["ref_gatherv"] = type(e).__name__
+    with plugin.activate("purlin", config_path, nccl_free=True):
+        g = GroupCoordinator([list(range(world))], rank, "gloo", group_name="tp", **asked)
+    facts["purlin"] = dict(use_pynccl=g.use_pynccl, ca=g.use_custom_allreduce, purlin=g.purlin_comm is not None)
+    got = g.all_gatherv(x, sizes=sizes)
+    facts["gatherv_ok"] = torch.equal(got[0], torch.cat([_rows(r, sizes[r]) for r in range(world)]))
+    full = sum(_rows(r, sum(sizes)) for r in range(world))
+    rs = g.reduce_scatterv(_rows(rank, sum(sizes)), sizes=sizes)
+    facts["scatterv_ok"] = torch.equal(rs, full.split(sizes)[rank])
+    facts["routed"] = dict(g.purlin_comm.routed)
+    for c in (g, ref):
+        c.destroy()
+    return facts

@@ -1,0 +1,197 @@
+"""The client side of tools/gpu-serve.sh: wait for one SGLang server, drive it, record the run; compare runs.
+
+    gpu-serve-client.py run --url URL --log SERVER_LOG --pid PID --name NAME --out RUN.json [meta ...]
+    gpu-serve-client.py compare --runs DIR --out SERVING.json
+
+``run``: waits until the server's log says it is ready (or the process dies, or --wait passes), sends
+``--prompts`` greedy prompts (temperature 0, ``ignore_eos``: every prompt gives exactly ``--output-tokens``
+tokens) to ``/generate`` in one batch once untimed (warm-up), then ``--repeats`` times timed (output tokens
+per second of each batch; the median is the run's throughput), checks that every repeat gave the same
+tokens, asks ``/v1/chat/completions`` once, and copies the plugin's lines (``purlin``) from the server log.
+The prompts are random words from a seeded generator (the words of purlin's offline prompts), so every run
+with the same ``--seed`` sends the same text. No downloads; standard library only.
+
+``compare``: reads every RUN.json of a folder and, for each run that names ``--reference``, says whether
+its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+WORDS = ("the model token prompt request batch layer tensor kernel stream graph device memory cache buffer rank "
+         "group peer chunk slot flag epoch signal stage reduce gather scatter copy server client engine worker "
+         "river mountain forest garden window kitchen letter market harbor island valley bridge station morning "
+         "evening winter summer number question answer story reason method result example pattern quiet bright "
+         "simple careful gentle sudden steady narrow distant common ancient modern hidden one two three four").split()
+READY = "The server is fired up and ready to roll"
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(16, 96))) for _ in range(n)]
+
+
+def post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def wait_ready(log: Path, pid: int, limit: float) -> tuple[bool, float, str]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if READY in text:
+            return True, time.monotonic() - t0, ""
+        if not alive(pid):
+            return False, time.monotonic() - t0, "server process exited"
+        time.sleep(1.0)
+    return False, time.monotonic() - t0, f"not ready after {limit:.0f} s"
+
+
+def generate(url: str, texts: list[str], tokens: int, timeout: float) -> tuple[list[list[int]], list[str], float]:
+    body = {"text": texts, "sampling_params": {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    out = post(f"{url}/generate", body, timeout)
+    secs = time.perf_counter() - t0
+    out = out if isinstance(out, list) else [out]
+    ids = [list(o.get("output_ids") or []) for o in out]
+    return ids, [o.get("text", "") for o in out], secs
+
+
+def plugin_lines(log: Path) -> list[str]:
+    if not log.exists():
+        return []
+    keep = [ln for ln in log.read_text(errors="replace").splitlines() if "purlin" in ln.lower()]
+    # the last report of each group, and every other plugin line once
+    seen, lines = set(), []
+    for ln in keep:
+        key = re.sub(r"^.*?(purlin)", r"\1", ln)
+        key = re.sub(r"routed .*", "routed", key)
+        if key in seen and "routed" not in ln:
+            continue
+        seen.add(key)
+        lines.append(ln.strip()[:600])
+    return lines[-60:]
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    rec = {"name": a.name, "backend": a.backend, "tp": a.tp, "model": a.model, "cuda_graph": a.cuda_graph,
+           "nccl_free": a.nccl_free, "prompts": a.prompts, "output_tokens": a.output_tokens, "seed": a.seed,
+           "repeats": a.repeats, "reference": a.reference or None, "command": a.command, "ok": False}
+    log = Path(a.log)
+    ready, secs, why = wait_ready(log, a.pid, a.wait)
+    rec["startup_s"] = round(secs, 1)
+    try:
+        if not ready:
+            raise RuntimeError(f"server not ready: {why}")
+        url, texts = a.url, prompts(a.prompts, a.seed)
+        ids0, _, warm_s = generate(url, texts, a.output_tokens, a.timeout)
+        rec["warmup_batch_s"] = round(warm_s, 3)
+        runs = [generate(url, texts, a.output_tokens, a.timeout) for _ in range(a.repeats)]
+        ids = runs[0][0]
+        rec["tokens"] = ids
+        rec["texts_head"] = [t[:80] for t in runs[0][1][:4]]
+        counts = [sum(len(x) for x in r[0]) for r in runs]
+        rec["batch_s"] = [round(r[2], 4) for r in runs]
+        rec["output_tokens_total"] = counts[0]
+        rec["output_throughput_tok_s"] = round(statistics.median(c / r[2] for c, r in zip(counts, runs)), 2)
+        rec["repeats_identical"] = all(r[0] == ids for r in runs) and ids0 == ids
+        rec["distinct_outputs"] = len({tuple(x) for x in ids})
+        rec["all_lengths_ok"] = all(len(x) == a.output_tokens for x in ids)
+        chat = post(f"{url}/v1/chat/completions", {
+            "model": "default", "messages": [{"role": "user", "content": texts[0][:200]}],
+            "max_tokens": 16, "temperature": 0.0}, a.timeout)
+        rec["chat"] = {"content": chat["choices"][0]["message"].get("content"), "usage": chat.get("usage"),
+                       "finish_reason": chat["choices"][0].get("finish_reason")}
+        rec["ok"] = rec["all_lengths_ok"]
+    except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+    rec["plugin_log"] = plugin_lines(log)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    print(f"{a.name}: ok={rec['ok']} startup {rec['startup_s']} s, "
+          f"{rec.get('output_throughput_tok_s', '-')} output tok/s, distinct {rec.get('distinct_outputs', '-')}"
+          f"{'; ' + rec['error'] if 'error' in rec else ''}", flush=True)
+    return 0 if rec["ok"] else 1
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    runs = {}
+    for p in sorted(Path(a.runs).glob("*.json")):
+        try:
+            r = json.loads(p.read_text())
+        except ValueError:
+            continue
+        if isinstance(r, dict) and "name" in r:
+            runs[r["name"]] = r
+    out = []
+    for name, r in runs.items():
+        ref = r.get("reference")
+        row = {k: r.get(k) for k in ("name", "backend", "tp", "model", "cuda_graph", "nccl_free", "prompts",
+                                     "output_tokens", "output_throughput_tok_s", "startup_s", "distinct_outputs",
+                                     "repeats_identical", "ok", "error", "command", "chat", "plugin_log")}
+        row["tokens_match_reference"] = None
+        row["reference"] = ref
+        if ref:
+            base = runs.get(ref)
+            if base is None or "tokens" not in base or "tokens" not in r:
+                row["reference_note"] = f"no tokens to compare ({ref} missing or failed)"
+            else:
+                same = base["tokens"] == r["tokens"]
+                row["tokens_match_reference"] = same
+                row["prompts_matching"] = sum(x == y for x, y in zip(base["tokens"], r["tokens"]))
+                if not same:
+                    row["first_mismatch"] = next(
+                        (i, x[:8], y[:8]) for i, (x, y) in enumerate(zip(base["tokens"], r["tokens"])) if x != y) \
+                        if any(x != y for x, y in zip(base["tokens"], r["tokens"])) else "lengths differ"
+                t0, t1 = base.get("output_throughput_tok_s"), r.get("output_throughput_tok_s")
+                if t0 and t1:
+                    row["throughput_ratio_to_reference"] = round(t1 / t0, 4)
+        out.append(row)
+        print(f"{name:28s} ok={r.get('ok')} tok/s={r.get('output_throughput_tok_s')} "
+              f"match[{ref}]={row['tokens_match_reference']} ratio={row.get('throughput_ratio_to_reference')}")
+    Path(a.out).write_text(json.dumps({"runs": out}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    for k, t, d in (("url", str, None), ("log", str, None), ("pid", int, None), ("name", str, None),
+                    ("out", str, None), ("backend", str, "nccl"), ("tp", int, 1), ("model", str, ""),
+                    ("command", str, ""), ("reference", str, ""), ("prompts", int, 16),
+                    ("output-tokens", int, 32), ("seed", int, 42), ("repeats", int, 3), ("wait", float, 300.0),
+                    ("timeout", float, 300.0)):
+        r.add_argument(f"--{k}", type=t, default=d, required=d is None)
+    r.add_argument("--cuda-graph", type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=True)
+    r.add_argument("--nccl-free", action="store_true")
+    c = sub.add_parser("compare")
+    c.add_argument("--runs", required=True)
+    c.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

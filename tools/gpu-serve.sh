@@ -1,0 +1,150 @@
+#!/bin/bash
+# Serve the dummy models of configs/models/ through SGLang 0.5.23 on the GPU machine, with the default
+# backend and with --comm-backend purlin; check tokens against a reference; SGLang's offline benchmark.
+# One device call: `STEPS="..." bash tools/gpu-serve.sh`, carry [".whl", ".serve"] (built here by
+# ../shared/tools/device-wheels.sh and ../shared/tools/serving-wheels.sh). Logs and records under $OUT:
+# $OUT/summary.txt, $OUT/serving.json ({"runs": [...]}), $OUT/logs.tgz (every server log, run record and
+# offline result), $OUT/offline-tp*.png. Every step has its own timeout and the script goes on after a failure.
+#
+# STEPS (default "setup tp1 tp2"): setup = install the wheels into /tmp/site and build purlin (skipped
+#   when the same sources are already installed on a warm machine);
+#   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
+#            CUDA graphs on; purlin's tokens checked against the default's
+#   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
+#            gloo cannot be captured), then purlin with graphs off, then purlin with graphs on
+#   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs on
+#   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
+#   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
+# Knobs: MODEL (configs/models/llama-dense-8l), PROMPTS (16), OT output tokens (32), REPEATS (3),
+#   DEADLINE seconds after which no new step starts (470; give the call 600), WAIT seconds for a server to be ready (240).
+# On a machine with a GPU per rank, run the same steps WITHOUT --purlin-nccl-free (one process per GPU, NCCL
+# as SGLang sets it up): NCCL_FREE=0 makes tp2/tp4 do that (reference = the default backend, graphs on).
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/gpu-serve/logs; RUNS="$LOGS/runs"; rm -rf "$LOGS"; mkdir -p "$RUNS" "$OUT"
+STEPS=${STEPS:-"setup tp1 tp2"}; MODEL=${MODEL:-configs/models/llama-dense-8l}
+PROMPTS=${PROMPTS:-16}; OT=${OT:-32}; REPEATS=${REPEATS:-3}; DEADLINE=${DEADLINE:-470}; WAIT=${WAIT:-240}
+NCCL_FREE=${NCCL_FREE:-1}
+T_START=$(date +%s)
+export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: no process (the benchmark's children neither) puts the working directory first on sys.path,
+# so the installed purlin_sglang (with its native library) is imported, not the checkout's sources.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 PYTHONSAFEPATH=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+COMMON=(--attention-backend triton --sampling-backend pytorch --grammar-backend none --random-seed 42
+        --disable-radix-cache --cuda-graph-max-bs 16 --host 127.0.0.1 --log-level info)
+say() { echo "[$(( $(date +%s) - T_START ))s] $*" | tee -a "$OUT/summary.txt"; }
+left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+finish() {
+  python3 tools/gpu-serve-client.py compare --runs "$RUNS" --out "$OUT/serving.json" >> "$OUT/summary.txt" 2>&1
+  tar -czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" logs 2>/dev/null
+  say "done (STEPS=$STEPS)"
+}
+trap finish EXIT
+
+say "$(nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader)"
+if has setup; then
+  T0=$(date +%s)
+  if [ ! -d /tmp/site/sglang ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .serve/*.whl .whl/*.whl \
+      > "$LOGS/wheels.log" 2>&1; say "wheels rc=$? secs=$(( $(date +%s) - T0 ))"
+  else say "wheels: /tmp/site already has sglang"; fi
+  STAMP=$(cat pyproject.toml CMakeLists.txt $(find native purlin_sglang -type f -name '*.[ch]*' -o -type f -name '*.py' -o -type f -name '*.cu*' | sort) 2>/dev/null | md5sum | cut -c1-16)
+  if [ "$(cat /tmp/purlin-build.stamp 2>/dev/null)" != "$STAMP" ]; then
+    T0=$(date +%s)
+    timeout 300 env -u PYTHONSAFEPATH python3 -m pip install --no-build-isolation --no-deps . > "$LOGS/build.log" 2>&1; rc=$?
+    say "purlin build rc=$rc secs=$(( $(date +%s) - T0 ))"; [ $rc -eq 0 ] && echo "$STAMP" > /tmp/purlin-build.stamp \
+      || tail -30 "$LOGS/build.log" | tee -a "$OUT/summary.txt"
+  else say "purlin: already built from these sources"; fi
+  timeout 120 python3 -P - > "$LOGS/imports.log" 2>&1 <<'EOF'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+for d in ("sglang", "sglang-kernel", "transformers", "purlin-sglang", "triton"):
+    try: print("version", d, md.version(d))
+    except Exception as e: print("version", d, "-", type(e).__name__)
+from sglang.srt.plugins import load_plugins
+from purlin_sglang.sglang import plugin
+load_plugins()
+print("hooks missing:", plugin.missing_hooks())
+from purlin_sglang.engines import cuda_engine_status
+print("cuda engine:", cuda_engine_status() or "ready")
+EOF
+  say "imports rc=$?: $(grep -E '^(torch|version|hooks|cuda engine)' "$LOGS/imports.log" | tr '\n' ' ')"
+  grep -q "hooks missing: \[\]" "$LOGS/imports.log" || tail -20 "$LOGS/imports.log" >> "$OUT/summary.txt"
+fi
+SGLANG_V=$(python3 -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null)
+TORCH_V=$(python3 -c "import torch; print(torch.__version__)" 2>/dev/null)
+echo "{\"sglang\": \"$SGLANG_V\", \"torch\": \"$TORCH_V\"}" > "$LOGS/versions.json"
+
+free_gpu() {  # wait until no process holds the GPU (a server's workers exit a little after it)
+  for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return; sleep 1; done
+  say "warning: GPU still in use: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+}
+
+# serve NAME TP BACKEND GRAPH REFERENCE -- SGLANG FLAGS...: one server, the client's run, then stop it.
+serve() {
+  local name=$1 tp=$2 backend=$3 graph=$4 ref=$5; shift 6
+  if [ "$(left)" -lt 60 ]; then say "$name: skipped (deadline: $(left) s left)"; return; fi
+  local port=$(( 31000 + RANDOM % 2000 )) log="$LOGS/server-$name.log" extra=()
+  [ "$graph" = true ] || extra+=(--disable-cuda-graph)
+  local cmd=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size "$tp" --port "$port"
+             "${COMMON[@]}" "${extra[@]}" "$@")
+  say "$name: ${cmd[*]}"
+  setsid "${cmd[@]}" > "$log" 2>&1 &
+  local pid=$! wait_s=$WAIT
+  [ "$(left)" -lt "$wait_s" ] && wait_s=$(left)
+  timeout $(( wait_s + 200 )) python3 tools/gpu-serve-client.py run --url "http://127.0.0.1:$port" --log "$log" \
+    --pid $pid --name "$name" --out "$RUNS/$name.json" --backend "$backend" --tp "$tp" --model "$(basename "$MODEL")" \
+    --cuda-graph "$graph" --reference "$ref" --prompts "$PROMPTS" --output-tokens "$OT" --repeats "$REPEATS" \
+    --wait "$wait_s" --timeout 150 --command "${cmd[*]}" $([[ " $* " == *nccl-free* ]] && echo --nccl-free) 2>&1 | tee -a "$OUT/summary.txt"
+  kill -TERM -- -$pid 2>/dev/null; for _ in $(seq 15); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  grep -E "Error|error|Traceback" "$log" | grep -v "INFO" | head -5 >> "$OUT/summary.txt"
+  free_gpu
+}
+
+if has tp1; then
+  serve tp1-nccl 1 nccl true "" -- --mem-fraction-static 0.6
+  serve tp1-purlin-yaml 1 purlin true tp1-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
+fi
+for tp in 2 4; do
+  has tp$tp || continue
+  mem=$([ $tp = 2 ] && echo 0.25 || echo 0.14)
+  if [ "$NCCL_FREE" = 1 ]; then
+    serve tp$tp-gloo-ref $tp nccl false "" -- --mem-fraction-static $mem --purlin-nccl-free
+    serve tp$tp-purlin-eager $tp purlin false tp$tp-gloo-ref -- --mem-fraction-static $mem \
+      --config configs/purlin-sglang-nccl-free.yaml
+    serve tp$tp-purlin-graph $tp purlin true tp$tp-gloo-ref -- --mem-fraction-static $mem \
+      --config configs/purlin-sglang-nccl-free.yaml
+  else  # one process per GPU, NCCL present
+    serve tp$tp-nccl $tp nccl true "" -- --mem-fraction-static 0.6
+    serve tp$tp-purlin $tp purlin true tp$tp-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
+  fi
+done
+if has moe; then
+  M0=$MODEL; MODEL=configs/models/qwen3-moe-4l
+  serve moe-tp1-nccl 1 nccl false "" -- --mem-fraction-static 0.5
+  serve moe-tp2-gloo-ref 2 nccl false "" -- --mem-fraction-static 0.25 --purlin-nccl-free
+  serve moe-tp2-purlin-eager 2 purlin false moe-tp2-gloo-ref -- --mem-fraction-static 0.25 \
+    --config configs/purlin-sglang-nccl-free.yaml
+  MODEL=$M0
+fi
+if has offline; then
+  OFF=(python3 -m purlin_sglang bench offline --model-path "$MODEL" --load-format dummy --num-prompts ${OFF_PROMPTS:-64}
+       --random-input-len 128 --random-output-len ${OFF_OT:-64} --seed 42 --timeout 240)
+  SG=(-- --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache
+      --cuda-graph-max-bs 16 --random-seed 42)
+  if [ "$(left)" -gt 120 ]; then
+    say "offline tp1: ${OFF[*]} --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml"
+    timeout 560 "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \
+      "${SG[@]}" --mem-fraction-static 0.6 > "$LOGS/offline-tp1.txt" 2>&1; say "offline tp1 rc=$?"
+    tail -14 "$LOGS/offline-tp1.txt" >> "$OUT/summary.txt"; cp "$LOGS/offline-tp1/offline.png" "$OUT/offline-tp1.png" 2>/dev/null
+  else say "offline tp1: skipped (deadline)"; fi
+  if [ "$(left)" -gt 120 ]; then
+    say "offline tp2: ${OFF[*]} --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml"
+    timeout 560 "${OFF[@]}" --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml \
+      --out "$LOGS/offline-tp2" "${SG[@]}" --mem-fraction-static 0.25 --disable-cuda-graph > "$LOGS/offline-tp2.txt" 2>&1
+    say "offline tp2 rc=$?"; tail -14 "$LOGS/offline-tp2.txt" >> "$OUT/summary.txt"
+    cp "$LOGS/offline-tp2/offline.png" "$OUT/offline-tp2.png" 2>/dev/null
+  else say "offline tp2: skipped (deadline)"; fi
+fi
