@@ -9,8 +9,9 @@ Importing has no side effects: no device work, no compilation, no environment ch
 from .api import Communicator, run_virtual
 from .collectives import CATALOG, CollectiveSpec, Consume, Layout, ReduceOp
 from .config import PurlinConfig
+from .moe import MoEDispatch
 from .errors import (
-    PurlinBrokenError, PurlinClosedError, PurlinConfigError, PurlinError, PurlinMismatchError,
+    PurlinBrokenError, PurlinCapacityError, PurlinClosedError, PurlinConfigError, PurlinError, PurlinMismatchError,
     PurlinPlanError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError,
 )
 
@@ -20,5 +21,5 @@ __all__ = [
     "Communicator", "run_virtual", "PurlinConfig", "CATALOG", "CollectiveSpec", "Consume", "Layout",
     "ReduceOp", "PurlinError", "PurlinValueError", "PurlinConfigError", "PurlinPlanError",
     "PurlinUnavailableError", "PurlinClosedError", "PurlinBrokenError", "PurlinTimeoutError",
-    "PurlinMismatchError", "__version__",
+    "PurlinMismatchError", "PurlinCapacityError", "MoEDispatch", "__version__",
 ]

@@ -29,6 +29,7 @@ from .errors import (
 )
 from .memory import HostWorkspace, WorkspaceLayout
 from .memory.host import unlink_shared
+from .moe import MoEDispatch
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
 
 
@@ -279,6 +280,80 @@ class Communicator:
         layouts. Blocks the host until this rank's part is done.
         """
         return self._run(spec, x, out, op, root, in_splits, out_splits)
+
+    # -- MoE expert parallelism ---------------------------------------------------------------
+    def moe_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     num_experts: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> MoEDispatch:
+        """Send every token to the ranks that own its top-k experts; return this rank's expert rows.
+
+        Experts are split contiguously: rank r owns global experts [r*E/W, (r+1)*E/W). ``x`` [T, H]
+        (T may differ per rank, may be 0), ``topk_ids`` [T, K] int32/int64 (-1: no expert, the slot
+        is skipped), ``topk_weights`` [T, K] float. Each token travels once per destination rank.
+        The result's ``x`` holds one row per (token, slot) routed here, grouped by local expert, then
+        source rank, token index, k (see :class:`~purlin_sglang.moe.MoEDispatch`). ``capacity``:
+        a fixed ``world * capacity`` rows per local expert (padding rows have expert -1); more than
+        ``capacity`` rows from one source rank for one expert raise PurlinCapacityError (never
+        silent loss). Without it the rows are sized exactly (eager; on CUDA the call then reads the
+        counts on the host; under graph capture CUDA uses ``capacity = moe.max_tokens_per_rank``).
+        ``dtype=torch.float8_e4m3fn``: FP8 rows with per-token float32 scales in ``.scales``.
+
+        Collective. CPU: blocks the host. CUDA: see docs/DESIGN.md (MoE) for what it blocks and
+        what is capturable. Bad arguments raise PurlinValueError naming the argument.
+        """
+        self._check_usable("moe_dispatch")
+        cuda = self.engine_name == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        from .moe.validate import check_dispatch
+
+        quant = check_dispatch(x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
+                               self.device, check_values=not capturing)
+        if cuda:
+            return self._moe_engine().dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
+        from .engines import cpu_moe
+
+        plan = self._moe_plan("dispatch", num_experts, capacity, quant)
+        return cpu_moe.dispatch(self, plan, x, topk_ids, topk_weights, id(self))
+
+    def moe_combine(self, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:
+        """Return [T, H] on each source rank: per token, sum over k of ``topk_weights[t, k] *
+        expert_out[row of (t, k)]``, accumulated in float32 in the order k = 0..K-1 (slots with id
+        -1 skipped), in ``expert_out``'s dtype. ``expert_out`` [R, H] is in ``d.x``'s row order
+        (padding rows are ignored). Deterministic: bitwise equal on both engines and to
+        :func:`purlin_sglang.moe.reference.reference_combine`. Collective.
+        """
+        self._check_usable("moe_combine")
+        from .moe.validate import check_combine
+
+        check_combine(expert_out, d, self.device, id(self))
+        if self.engine_name == "cuda":
+            return self._moe_engine().combine(expert_out, d)
+        from .engines import cpu_moe
+
+        return cpu_moe.combine(self, expert_out, d)
+
+    def _moe_plan(self, kind: str, num_experts: int, capacity: int | None, quant: str):
+        from .collectives import MOE_COMBINE, MOE_DISPATCH
+        from .snac.moe import make_moe_plan
+
+        key = ("moe", kind, num_experts, capacity, quant)
+        plan = self._plans.get(key)
+        if plan is None:
+            spec = MOE_DISPATCH if kind == "dispatch" else MOE_COMBINE
+            plan = make_moe_plan(spec, self.world_size, self.rank, num_experts, capacity=capacity, quant=quant)
+            self._plans[key] = plan
+        return plan
+
+    def _moe_engine(self):
+        eng = getattr(self, "_moe", None)
+        if eng is None:
+            try:
+                from .engines.cuda_moe import CudaMoE
+            except ImportError:
+                raise PurlinUnavailableError("moe_dispatch: the CUDA engine's MoE path is not built yet; "
+                                             "use the CPU engine") from None
+
+            eng = self._moe = CudaMoE(self)
+        return eng
 
     # -- the call path -----------------------------------------------------------------------
     # A call whose spec, op, root, dtype, shape and splits were seen before (and were valid then) skips

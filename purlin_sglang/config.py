@@ -20,6 +20,24 @@ from .snac.policy import TuningPolicy
 MiB = 1024 * 1024
 
 
+class MoESettings(BaseModel):
+    """The ``moe:`` section: expert-parallel dispatch and combine (``Communicator.moe_dispatch``).
+
+    * ``dispatcher`` (``none``): ``purlin`` makes purlin SGLang's MoE dispatcher (the plugin reads it).
+    * ``max_tokens_per_rank`` (256): most tokens one rank dispatches in one call on the CUDA engine;
+      sizes the MoE region (see docs/DESIGN.md, "MoE") and is the default capacity (rows per
+      source rank and local expert) of graph-mode calls.
+    * ``dtype`` (``auto``): the dispatch payload for the SGLang dispatcher: ``auto`` (the activations'
+      dtype), ``bf16`` or ``fp8`` (float8_e4m3fn rows with per-token float32 scales).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dispatcher: Literal["none", "purlin"] = "none"
+    max_tokens_per_rank: int = Field(256, ge=1, le=1 << 20)
+    dtype: Literal["auto", "bf16", "fp8"] = "auto"
+
+
 class PurlinConfig(BaseModel):
     """Configuration of a :class:`~purlin_sglang.Communicator`.
 
@@ -31,6 +49,7 @@ class PurlinConfig(BaseModel):
       every rank and run. Every engine of this version is deterministic; ``false`` is
       reserved for faster non-deterministic paths (none yet).
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
+    * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -40,6 +59,7 @@ class PurlinConfig(BaseModel):
     memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
     deterministic: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
+    moe: MoESettings = Field(default_factory=MoESettings)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "purlin config") -> "PurlinConfig":

@@ -57,6 +57,18 @@ class PurlinTimeoutError(PurlinError, RuntimeError):
         self.missing = tuple(missing)
 
 
+class PurlinCapacityError(PurlinError, RuntimeError):
+    """A MoE dispatch routed more rows from one source rank to one expert than ``capacity``.
+
+    ``rank`` is the source rank, ``expert`` the global expert id, ``count`` the rows it routed.
+    Nothing was lost silently: the call raised (CPU), or the device recorded it and the next call
+    or ``synchronize()`` raised (CUDA; the rows past capacity were not delivered)."""
+
+    def __init__(self, message: str, *, rank: int = -1, expert: int = -1, count: int = 0, capacity: int = 0):
+        super().__init__(message)
+        self.rank, self.expert, self.count, self.capacity = rank, expert, count, capacity
+
+
 class PurlinMismatchError(PurlinError, RuntimeError):
     """Ranks entered the same call with different collectives, dtypes or sizes."""
 
@@ -78,4 +90,5 @@ __all__ = [
     "PurlinCudaError",
     "PurlinTimeoutError",
     "PurlinMismatchError",
+    "PurlinCapacityError",
 ]

@@ -10,6 +10,10 @@ the group:
   addressed to me; as an input, slice ``r`` goes back to rank ``r``.
 * the ``V`` forms (``packedV``, ``scatteredV``, ``transposedV``): the same with
   per-rank sizes given at call time (they may differ between calls and ranks).
+* ``routed`` (always variable): MoE tokens, each addressed to the ranks that own one
+  of its top-k experts; a token travels once per destination RANK (not once per
+  expert), and the slices exist only once the routing (device-side counts) is known.
+  See :mod:`purlin_sglang.collectives.moe`.
 
 A layout may be *rooted*: only the root rank's buffer takes part (the root is a
 call argument). A rooted input means only the root produces; a rooted output
@@ -26,6 +30,7 @@ class LayoutKind(str, enum.Enum):
     PACKED = "packed"
     SCATTERED = "scattered"
     TRANSPOSED = "transposed"
+    ROUTED = "routed"
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        base = self.kind.value + ("V" if self.variable else "")
+        base = self.kind.value + ("V" if self.variable and self.kind is not LayoutKind.ROUTED else "")
         return base + ("@root" if self.rooted else "")
 
     def __str__(self) -> str:
@@ -60,6 +65,7 @@ TRANSPOSED = Layout(LayoutKind.TRANSPOSED)
 PACKED_V = Layout(LayoutKind.PACKED, variable=True)
 SCATTERED_V = Layout(LayoutKind.SCATTERED, variable=True)
 TRANSPOSED_V = Layout(LayoutKind.TRANSPOSED, variable=True)
+ROUTED = Layout(LayoutKind.ROUTED, variable=True)
 
 
 class ReduceOp(str, enum.Enum):
@@ -78,6 +84,7 @@ class Consume:
     """
 
     reduce: ReduceOp | None = None
+    weighted: bool = False  # MoE combine: each contribution is scaled by its top-k weight first
 
     @property
     def is_copy(self) -> bool:
@@ -86,11 +93,13 @@ class Consume:
     def with_op(self, op: "ReduceOp | str") -> "Consume":
         if self.is_copy:
             return self
-        return Consume(parse_op(op))
+        return Consume(parse_op(op), self.weighted)
 
     @property
     def name(self) -> str:
-        return "copy" if self.reduce is None else f"reduce({self.reduce.value})"
+        if self.reduce is None:
+            return "copy"
+        return f"{'weighted_' if self.weighted else ''}reduce({self.reduce.value})"
 
     def __str__(self) -> str:
         return self.name
@@ -98,6 +107,7 @@ class Consume:
 
 COPY = Consume()
 REDUCE = Consume(ReduceOp.SUM)
+WEIGHTED_REDUCE = Consume(ReduceOp.SUM, weighted=True)
 
 
 def parse_op(op: "ReduceOp | str") -> ReduceOp:

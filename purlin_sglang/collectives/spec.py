@@ -56,6 +56,9 @@ def check_spec(spec: CollectiveSpec) -> None:
     where = f"spec {spec.name!r} ({i} -> {o}, {c})"
     if not spec.name or not spec.name.replace("_", "").isalnum():
         raise PurlinPlanError(f"spec name {spec.name!r} must be a non-empty identifier")
+    if LayoutKind.ROUTED in (i.kind, o.kind) or c.weighted:
+        _check_routed(spec, where)
+        return
     if i.variable != o.variable:
         raise PurlinPlanError(f"{where}: input and output must both be V forms or both fixed")
     if i.rooted and o.rooted:
@@ -80,4 +83,18 @@ def check_spec(spec: CollectiveSpec) -> None:
     if o.kind is LayoutKind.TRANSPOSED and not i.sliced:
         raise PurlinPlanError(
             f"{where}: a transposed output holds what each rank addressed to me, so the input must be sliced"
+        )
+
+
+def _check_routed(spec: CollectiveSpec, where: str) -> None:
+    """The two MoE namings: routed -> transposedV copy (dispatch), and its reverse with a weighted
+    reduce (combine). Each output row of a combine sums the rows its token was routed to, so a
+    reduce into a sliced (routed) output is what it means; nothing else may use ``routed``."""
+    i, o, c = spec.input, spec.output, spec.consume
+    dispatch = i.kind is LayoutKind.ROUTED and o.kind is LayoutKind.TRANSPOSED and c.is_copy
+    combine = i.kind is LayoutKind.TRANSPOSED and o.kind is LayoutKind.ROUTED and c.weighted
+    if not (dispatch or combine) or not (i.variable and o.variable) or spec.rooted:
+        raise PurlinPlanError(
+            f"{where}: a routed layout pairs only with transposedV: routed -> transposedV copy (dispatch) "
+            "or transposedV -> routed weighted reduce (combine)"
         )

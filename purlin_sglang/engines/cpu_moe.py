@@ -1,0 +1,141 @@
+"""The CPU engine's MoE: the steps of a MoE plan (snac/moe.py) over the CPU engine's collectives.
+
+CountExchange is an all-gather of every rank's header and counts (so every rank sees the whole
+count matrix and all of them raise the same error for a bad call: the communicator stays
+usable); PutRows and PutBack are all_to_all_v calls of packed byte rows (header + payload), each
+token once per destination rank; Expand and WeightedReduce are local. Blocks the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PurlinCapacityError, PurlinValueError
+from ..moe.dispatch import MoEDispatch
+from ..moe.routing import quantize_fp8, route
+from ..snac.moe import MoEPlan
+
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
+
+
+def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int) -> list[int]:
+    """All-gather (values..., tokens) of every rank; raise PurlinValueError on every rank if the
+    ranks disagree on a value. Returns every rank's tokens."""
+    mine = torch.tensor(list(values) + [tokens], dtype=torch.int64)
+    seen = comm.all_gather(mine).view(comm.world_size, -1)
+    for i, name in enumerate(_HEADER_FIELDS[: len(values)]):
+        col = seen[:, i].tolist()
+        if any(v != col[0] for v in col):
+            raise PurlinValueError(f"{op}: the ranks disagree on {name}: {col} (rank order); every rank must "
+                                   "call with the same value")
+    return seen[:, -1].tolist()
+
+
+def overflow(plan: MoEPlan, matrix: torch.Tensor) -> PurlinCapacityError | None:
+    """The first (source rank, expert) pair over capacity, as the error to raise, or None."""
+    if plan.capacity is None:
+        return None
+    over = (matrix > plan.capacity).nonzero()
+    if not over.numel():
+        return None
+    p, g = (int(v) for v in over[0])
+    n = int(matrix[p, g])
+    return PurlinCapacityError(
+        f"moe_dispatch: rank {p} routed {n} rows to expert {g} (rank {g // plan.local_experts}'s local expert "
+        f"{g % plan.local_experts}), more than capacity={plan.capacity}; raise capacity (or "
+        "moe.max_tokens_per_rank)", rank=p, expert=g, count=n, capacity=plan.capacity)
+
+
+def dispatch(comm, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor, ws: torch.Tensor,
+             owner: int) -> MoEDispatch:
+    world, me, local, e_n = comm.world_size, comm.rank, plan.local_experts, plan.num_experts
+    t_n, k_n = ids.shape
+    hidden = x.shape[1]
+    # Route (source prologue)
+    r = route(ids, e_n, world)
+    payload, scales = (quantize_fp8(x) if plan.quant == "fp8" else (x, None))
+    # CountExchange: header agreement, then counts per global expert and tokens per destination rank
+    exchange_header(comm, "moe_dispatch", (e_n, k_n, hidden, _DTYPE_CODE[x.dtype], int(plan.quant == "fp8"),
+                                           plan.capacity or 0), t_n)
+    both = comm.all_gather(torch.cat([r.counts, r.tokens_to])).view(world, e_n + world)
+    matrix, tokens = both[:, :e_n], both[:, e_n:]
+    err = overflow(plan, matrix)
+    if err is not None:
+        raise err
+    # PutRows: each token once per destination rank, in (rank, token) order, header + payload bytes
+    pairs = r.to_rank.t().nonzero()  # (d, t), d-major then t: the send order
+    d_of, t_of = pairs[:, 0], pairs[:, 1]
+    hdr_le = torch.where(r.dst[t_of] == d_of[:, None], r.le[t_of], -1)
+    hdr_j = torch.where(r.dst[t_of] == d_of[:, None], r.j[t_of], -1)
+    sc = (scales[t_of] if scales is not None else torch.ones(len(t_of))).to(torch.float32)
+    header = torch.cat([t_of[:, None], hdr_le, hdr_j, sc.view(torch.int32).to(torch.int64)[:, None]], dim=1)
+    row_bytes = payload.element_size() * hidden
+    body = payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n else torch.empty(0, row_bytes, dtype=torch.uint8)
+    packed = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * header.shape[1]),
+                        body.reshape(len(t_of), row_bytes)], 1)
+    recv = comm.all_to_all_v(packed.contiguous(), r.tokens_to.tolist(), tokens[:, me].tolist())
+    # Expand: one row per (token, slot), at group(le) + offset(source, le) + j
+    hw = 2 * k_n + 2
+    n_recv = recv.shape[0]
+    rh = recv[:, : hw * 8].reshape(-1).view(torch.int64).reshape(n_recv, hw)
+    recv = recv.reshape(n_recv, hw * 8 + row_bytes)
+    rbody = recv[:, hw * 8:]
+    mine = matrix[:, me * local:(me + 1) * local]  # [W, L] rows from source p for local expert e
+    group = mine.sum(0)
+    off = torch.cumsum(mine, 0) - mine  # offset of source p inside group e
+    if plan.capacity is None:
+        base = torch.cumsum(group, 0) - group
+        total = int(group.sum())
+    else:
+        base = torch.arange(local, dtype=torch.int64) * (world * plan.capacity)
+        total = local * world * plan.capacity
+    src = torch.repeat_interleave(torch.arange(world), tokens[:, me])  # source rank of each received token
+    le, j = rh[:, 1:1 + k_n], rh[:, 1 + k_n:1 + 2 * k_n]
+    tok_i, k_i = (le >= 0).nonzero(as_tuple=True)
+    lev = le[tok_i, k_i]
+    rows = base[lev] + off[src[tok_i], lev] + j[tok_i, k_i]
+    out_dtype = payload.dtype
+    xo = torch.zeros(total, row_bytes, dtype=torch.uint8)
+    xo[rows] = rbody[tok_i]
+    expert = torch.full((total,), -1, dtype=torch.int32)
+    expert[rows] = lev.to(torch.int32)
+    src_rank = torch.full((total,), -1, dtype=torch.int32)
+    src_rank[rows] = src[tok_i].to(torch.int32)
+    src_slot = torch.full((total,), -1, dtype=torch.int64)
+    src_slot[rows] = rh[tok_i, 0] * k_n + k_i
+    out_scales = None
+    if plan.quant == "fp8":
+        out_scales = torch.ones(total, dtype=torch.float32)
+        out_scales[rows] = rh[tok_i, hw - 1].to(torch.int32).view(torch.float32)
+    return MoEDispatch(
+        x=xo.view(out_dtype).reshape(total, hidden), expert=expert, counts=group.to(torch.int32),
+        scales=out_scales, src_rank=src_rank, src_slot=src_slot, tokens=t_n, topk=k_n, hidden=hidden,
+        num_experts=e_n, capacity=plan.capacity, weights=ws.to(torch.float32), valid=r.valid,
+        _engine=r.slots_to.tolist(), _owner=owner)
+
+
+def combine(comm, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:
+    world = comm.world_size
+    t_n, k_n, hidden = d.tokens, d.topk, d.hidden
+    # PutBack: every valid row to its source, grouped by source rank, with its slot index
+    key = torch.where(d.src_rank >= 0, d.src_rank.to(torch.int64), world)
+    order = torch.argsort(key, stable=True)
+    n_back = torch.bincount(key, minlength=world + 1)[:world]
+    order = order[: int(n_back.sum())]
+    row_bytes = expert_out.element_size() * hidden
+    body = expert_out.view(torch.uint8).reshape(-1, row_bytes)[order] if d.rows else \
+        torch.empty(0, row_bytes, dtype=torch.uint8)
+    packed = torch.cat([d.src_slot[order].contiguous().view(torch.uint8).reshape(-1, 8), body], 1)
+    back = comm.all_to_all_v(packed.contiguous(), n_back.tolist(), list(d._engine)).reshape(-1, 8 + row_bytes)
+    slots = back[:, :8].reshape(-1).view(torch.int64)
+    ret = torch.zeros(t_n * k_n, row_bytes, dtype=torch.uint8)
+    ret[slots] = back[:, 8:]
+    ret = ret.view(expert_out.dtype).reshape(t_n, k_n, hidden)
+    # WeightedReduce: float32, k = 0..K-1, skipped slots skipped (not added as zeros)
+    acc = torch.zeros(t_n, hidden, dtype=torch.float32)
+    for k in range(k_n):
+        m = d.valid[:, k]
+        if bool(m.any()):
+            acc[m] = acc[m] + d.weights[m, k, None] * ret[m, k].to(torch.float32)
+    return acc.to(expert_out.dtype)
