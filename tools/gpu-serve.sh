@@ -11,7 +11,8 @@
 #   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
 #            CUDA graphs on; purlin's tokens checked against the default's
 #   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
-#            gloo cannot be captured), then purlin with graphs off, then purlin with graphs on
+#            gloo cannot be captured), then purlin with graphs off, then purlin with decode CUDA graphs on
+#            (the prefill "breakable" graph, SGLang's CUDA default, stays off there)
 #   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs on
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
 #   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
@@ -30,7 +31,7 @@ export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 PYTHONSAFEPATH=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 COMMON=(--attention-backend triton --sampling-backend pytorch --grammar-backend none --random-seed 42
-        --disable-radix-cache --cuda-graph-max-bs 16 --host 127.0.0.1 --log-level info)
+        --disable-radix-cache --cuda-graph-max-bs-decode 16 --host 127.0.0.1 --log-level info)
 say() { echo "[$(( $(date +%s) - T_START ))s] $*" | tee -a "$OUT/summary.txt"; }
 left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -115,7 +116,7 @@ for tp in 2 4; do
     serve tp$tp-purlin-eager $tp purlin false tp$tp-gloo-ref -- --mem-fraction-static $mem \
       --config configs/purlin-sglang-nccl-free.yaml
     serve tp$tp-purlin-graph $tp purlin true tp$tp-gloo-ref -- --mem-fraction-static $mem \
-      --config configs/purlin-sglang-nccl-free.yaml
+      --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph  # decode graphs
   else  # one process per GPU, NCCL present
     serve tp$tp-nccl $tp nccl true "" -- --mem-fraction-static 0.6
     serve tp$tp-purlin $tp purlin true tp$tp-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
@@ -133,7 +134,7 @@ if has offline; then
   OFF=(python3 -m purlin_sglang bench offline --model-path "$MODEL" --load-format dummy --num-prompts ${OFF_PROMPTS:-64}
        --random-input-len 128 --random-output-len ${OFF_OT:-64} --seed 42 --timeout 240)
   SG=(-- --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache
-      --cuda-graph-max-bs 16 --random-seed 42)
+      --cuda-graph-max-bs-decode 16 --random-seed 42)
   if [ "$(left)" -gt 120 ]; then
     say "offline tp1: ${OFF[*]} --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml"
     timeout 560 "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \

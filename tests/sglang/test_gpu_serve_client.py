@@ -1,0 +1,78 @@
+"""tools/gpu-serve-client.py against a fake SGLang HTTP server (no sglang, no GPU): readiness from the log,
+greedy batch requests, the chat endpoint, the record, and the token comparison with a reference run."""
+
+import http.server
+import importlib.util
+import json
+import os
+import threading
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("gpu_serve_client", os.path.join(ROOT, "tools", "gpu-serve-client.py"))
+C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(C)
+
+
+def fake_server(shift: int):
+    """Answers /generate with output ids derived from the prompt (``shift`` changes prompt 1's tokens)."""
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/generate":
+                n = body["sampling_params"]["max_new_tokens"]
+                out = [{"text": t[:10], "output_ids": [(len(t) + k + (shift if i == 1 else 0)) % 700 for k in range(n)],
+                        "meta_info": {}} for i, t in enumerate(body["text"])]
+            else:
+                out = {"choices": [{"message": {"content": "hi"}, "finish_reason": "length"}],
+                       "usage": {"completion_tokens": 16}}
+            data = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def run(tmp_path, name, shift, reference="", ready=True):
+    srv = fake_server(shift)
+    log = tmp_path / f"{name}.log"
+    log.write_text("purlin_sglang: group tp:0: 2 ranks\n" + (C.READY + "!\n" if ready else ""))
+    try:
+        rc = C.main(["run", "--url", f"http://127.0.0.1:{srv.server_port}", "--log", str(log), "--pid", str(os.getpid()),
+                     "--name", name, "--out", str(tmp_path / "runs" / f"{name}.json"), "--prompts", "5",
+                     "--output-tokens", "7", "--repeats", "2", "--wait", "2", "--reference", reference])
+    finally:
+        srv.shutdown()
+    return rc, json.loads((tmp_path / "runs" / f"{name}.json").read_text())
+
+
+def test_run_records_and_compare(tmp_path):
+    rc, rec = run(tmp_path, "ref", 0)
+    assert rc == 0 and rec["ok"] and rec["repeats_identical"] and rec["all_lengths_ok"]
+    assert rec["output_tokens_total"] == 35 and rec["output_throughput_tok_s"] > 0
+    assert rec["chat"]["content"] == "hi" and rec["plugin_log"] == ["purlin_sglang: group tp:0: 2 ranks"]
+    assert run(tmp_path, "same", 0, "ref")[0] == 0
+    assert run(tmp_path, "other", 3, "ref")[0] == 0
+    C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")])
+    rows = {r["name"]: r for r in json.loads((tmp_path / "serving.json").read_text())["runs"]}
+    assert rows["ref"]["tokens_match_reference"] is None
+    assert rows["same"]["tokens_match_reference"] is True and rows["same"]["prompts_matching"] == 5
+    assert rows["other"]["tokens_match_reference"] is False and rows["other"]["prompts_matching"] == 4
+    assert rows["other"]["first_mismatch"][0] == 1
+
+
+def test_server_that_never_gets_ready_is_a_failed_run(tmp_path):
+    rc, rec = run(tmp_path, "late", 0, ready=False)
+    assert rc == 1 and not rec["ok"] and "not ready" in rec["error"] and "tokens" not in rec
+
+
+def test_prompts_are_deterministic():
+    assert C.prompts(4, 42) == C.prompts(4, 42) != C.prompts(4, 43)
