@@ -29,6 +29,11 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 #    (with python-dateutil kept below 3, as sglang asks).
 "${PIP[@]}" orjson psutil pybase64 requests pillow starlette msgspec pyzmq tqdm ipython aiohttp \
     "apache-tvm-ffi==0.1.11" "transformers==5.19.0" "tokenizers==0.23.2" matplotlib "python-dateutil<3"
+# 2b. What importing SGLang's MoE layer (layers/moe/fused_moe_triton/layer.py, the MoE dispatcher hook's
+#     target) adds, found by importing; sglang's pins where it has them (torchvision: the one built for
+#     torch 2.14.1).
+"${PIP[@]}" "torchvision==0.29.1" dill "sentencepiece==0.2.1" einops "compressed-tensors==0.18.0" loguru gguf \
+    "openai==2.8.0" partial-json-parser
 
 # 3. purlin_sglang (editable) with its own runtime and test dependencies and the build backend.
 "${PIP[@]}" numpy pydantic pyyaml cuda-python pytest hypothesis "scikit-build-core>=0.10"
@@ -43,6 +48,7 @@ PURLIN_DISABLE_CUDA="${PURLIN_DISABLE_CUDA:-1}" "${PIP[@]}" --no-build-isolation
 "$PY" - <<'EOF'
 import importlib.metadata as md
 import sglang.srt.distributed.parallel_state, sglang.srt.plugins.hook_registry, sglang.srt.server_args  # noqa: F401
+import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401  (the MoE dispatcher hook's target)
 import purlin_sglang.sglang.plugin  # noqa: F401
 eps = [ep.value for ep in md.entry_points(group="sglang.srt.plugins") if ep.name == "purlin_sglang"]
 if eps != ["purlin_sglang.sglang.plugin:register"]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from ..errors import PurlinError
-from . import conflicts, hooks, single_gpu
+from . import conflicts, hooks, moe_hooks, single_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ HOOKS: list[tuple[str, str, Callable]] = [
     # --purlin-nccl-free (single_gpu.py): rank -> GPU mapping in the launcher, gloo instead of nccl.
     ("sglang.srt.utils.common.maybe_reindex_device_id", "AROUND", single_gpu.reindex_device_id),
     (f"{_PS}.get_default_distributed_backend", "AROUND", single_gpu.distributed_backend),
+    # MoE dispatcher (moe_hooks.py): purlin's dispatch / combine with moe.dispatcher purlin.
+    (moe_hooks.TARGET, "AROUND", moe_hooks.create_moe_dispatcher),
 ]
 # Not hooks but switched with purlin on (conflicts.py): the flags and config fields of SGLang's
 # competing all-reduce paths; checked to exist with the hooks.

@@ -1,0 +1,58 @@
+"""The MoE hook: ``create_moe_dispatcher`` (AROUND ``layers/moe/fused_moe_triton/layer.py``).
+
+SGLang 0.5.23's ``FusedMoE.__init__`` asks the module-level ``create_moe_dispatcher(moe_runner_config,
+quant_method)`` for its dispatcher (looked up at call time, so the hook reaches every layer). With
+``--comm-backend purlin``, a ``--purlin-config`` whose ``moe.dispatcher`` is ``purlin`` and
+``--moe-a2a-backend none``, it answers a :class:`~.moe_dispatcher.PurlinMoEDispatcher`; in every other
+case SGLang's own choice, unchanged (a layer purlin cannot serve is logged once, with the reason).
+Nothing here imports SGLang at module import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher"
+_said: set[str] = set()
+
+
+def _once(level: int, text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        logger.log(level, text)
+
+
+def purlin_moe_config():
+    """This process's ``moe:`` section when purlin is chosen as the dispatcher, else None."""
+    from . import plugin
+    from .moe_config import moe_config_of
+
+    settings = plugin.active_settings()
+    if settings.backend != "purlin" or settings.config_path is None:
+        return None
+    cfg = moe_config_of(settings.load_config(), settings.config_path)
+    return cfg if cfg.purlin else None
+
+
+def create_moe_dispatcher(original, moe_runner_config: Any, quant_method: Any = None, *args, **kwargs):
+    """AROUND create_moe_dispatcher: purlin's dispatcher where chosen and possible, else SGLang's."""
+    cfg = purlin_moe_config()
+    if cfg is None:
+        return original(moe_runner_config, quant_method, *args, **kwargs)
+    from sglang.srt.layers.moe import get_moe_a2a_backend
+
+    a2a = get_moe_a2a_backend()
+    if not a2a.is_none():
+        _once(logging.WARNING, f"purlin_sglang: moe.dispatcher purlin needs --moe-a2a-backend none (it is "
+                               f"{a2a.value}); SGLang's {a2a.value} dispatcher is used")
+        return original(moe_runner_config, quant_method, *args, **kwargs)
+    from . import moe_dispatcher
+
+    why = moe_dispatcher.why_not(moe_runner_config)
+    if why is not None:
+        _once(logging.INFO, f"purlin_sglang: MoE layers use SGLang's standard dispatcher: {why}")
+        return original(moe_runner_config, quant_method, *args, **kwargs)
+    return moe_dispatcher.PurlinMoEDispatcher(moe_runner_config, cfg)
