@@ -15,14 +15,15 @@ zeros elsewhere: the model's all-reduce completes it, exactly (x + 0 = x).
 The experts see a standard dispatch output: ``hidden_states`` [R, H] (the rows, grouped by local
 expert), ``topk_ids`` [R, 1] the local expert of each row (-1 on padding rows, which SGLang's
 Triton and DeepGEMM runners skip) and ``topk_weights`` [R, 1] = 1 (the router weights are applied
-by the combine). On CPU, SGLang's native MoE forward cannot take an id of -1, so padding rows are
-left out of what the experts see and restored (as zeros) before the combine.
+by the combine). On CPU, SGLang's native MoE forward cannot take an id of -1 nor zero rows, so
+padding rows are left out of what the experts see (and restored, as zeros, before the combine), and
+a rank that receives no row gives the experts one zero row, whose output is dropped.
 
 Rows: on CUDA, by default, a fixed receive buffer of ``max_tokens_per_rank`` rows per (source rank,
 local expert) (``capacity=``): no host synchronisation and fixed shapes, so the layer is capturable
 in SGLang's CUDA graphs; a call whose shard has more tokens than ``max_tokens_per_rank`` raises
 (PurlinError, naming the option). On CPU, exact rows (``capacity=None``); the ``fixed_rows`` argument
-forces either (the CPU tests use it to run the capacity path). FP8 (``moe.dtype: fp8``): rows travel as float8_e4m3fn with per-token scales and are
+(attribute ``force_fixed_rows``) forces either (the CPU tests use it to run the capacity path). FP8 (``moe.dtype: fp8``): rows travel as float8_e4m3fn with per-token scales and are
 dequantised to the hidden states' dtype before the experts (the wire is FP8; the experts are not).
 
 Not served (the standard dispatcher is used, logged once): EP size 1, MoE-TP > 1, fused shared
@@ -46,8 +47,9 @@ from sglang.srt.layers.moe.token_dispatcher.standard import (
 from sglang.srt.layers.moe.topk import StandardTopKOutput, TopKOutputChecker
 from sglang.srt.runtime_context import get_parallel
 
+from ..config import MoESettings
 from ..errors import PurlinError
-from .moe_config import MoEDispatcherConfig
+from .moe_config import wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class _Pending:
 class PurlinMoEDispatcher(BaseDispatcher):
     """SGLang MoE dispatcher over purlin's ``moe_dispatch`` / ``moe_combine`` (see the module doc)."""
 
-    def __init__(self, moe_runner_config: Any, config: MoEDispatcherConfig, *, group: Any = None,
+    def __init__(self, moe_runner_config: Any, config: MoESettings, *, group: Any = None,
                  config_path: Optional[str] = None, fixed_rows: Optional[bool] = None):
         super().__init__()
         from . import plugin
@@ -127,12 +129,12 @@ class PurlinMoEDispatcher(BaseDispatcher):
         if self.comm.world_size != self.moe_ep_size or self.comm.rank != self.moe_ep_rank:
             raise PurlinError(f"purlin MoE dispatcher: the EP group's communicator is rank {self.comm.rank} of "
                               f"{self.comm.world_size}, SGLang says rank {self.moe_ep_rank} of {self.moe_ep_size}")
-        self.wire_dtype = config.torch_dtype()
-        self._fixed_rows = fixed_rows
+        self.wire_dtype = wire_dtype(config)
+        self.force_fixed_rows = fixed_rows
         self._pending: Optional[_Pending] = None
 
     def fixed_rows(self, device: torch.device) -> bool:
-        return self._fixed_rows if self._fixed_rows is not None else device.type == "cuda"
+        return self.force_fixed_rows if self.force_fixed_rows is not None else device.type == "cuda"
 
     def shard(self, tokens: int) -> tuple[int, int]:
         """This rank's token rows [lo, hi) of a replicated batch of ``tokens`` (tensor_split order)."""
@@ -157,9 +159,10 @@ class PurlinMoEDispatcher(BaseDispatcher):
         ids = topk_output.topk_ids[lo:hi]
         weights = topk_output.topk_weights[lo:hi]
         capacity = self.config.max_tokens_per_rank if self.fixed_rows(x.device) else None
-        if hi - lo > self.config.max_tokens_per_rank:
-            raise PurlinError(f"purlin MoE dispatcher: rank {self.moe_ep_rank} dispatches {hi - lo} tokens (a batch of "
-                              f"{tokens} over {self.moe_ep_size} ranks), more than moe.max_tokens_per_rank "
+        largest = -(-tokens // self.moe_ep_size)  # the largest shard: every rank decides alike
+        if largest > self.config.max_tokens_per_rank:
+            raise PurlinError(f"purlin MoE dispatcher: a batch of {tokens} tokens over {self.moe_ep_size} ranks gives "
+                              f"shards of up to {largest} tokens, more than moe.max_tokens_per_rank "
                               f"{self.config.max_tokens_per_rank}; raise it in --purlin-config")
         wire = self.wire_dtype if self.wire_dtype is torch.float8_e4m3fn else None
         d = self.comm.moe_dispatch(x.contiguous(), ids.contiguous(), weights.contiguous(),
@@ -169,9 +172,12 @@ class PurlinMoEDispatcher(BaseDispatcher):
             rows = (rows.to(torch.float32) * d.scales.to(torch.float32).unsqueeze(1)).to(hidden_states.dtype)
         expert = d.expert
         keep = None
-        if rows.device.type == "cpu" and bool((expert < 0).any()):  # SGLang's native forward fails on -1
+        if rows.device.type == "cpu" and (rows.shape[0] == 0 or bool((expert < 0).any())):
+            # SGLang's native MoE forward fails on an id of -1 and on zero rows
             keep = torch.nonzero(expert >= 0).flatten()
             rows, expert = rows.index_select(0, keep), expert.index_select(0, keep)
+            if rows.shape[0] == 0:  # one zero row for local expert 0; its output is dropped in combine
+                rows, expert = rows.new_zeros((1, rows.shape[1])), expert.new_zeros((1,))
         self._pending = _Pending(d, tokens, lo, hi, keep)
         ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
         local = StandardTopKOutput(topk_weights=ones, topk_ids=expert.to(torch.int32).view(-1, 1),
@@ -187,7 +193,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         out = combine_input.hidden_states
         if st.keep is not None:
             full = torch.zeros((st.d.x.shape[0], out.shape[1]), dtype=out.dtype, device=out.device)
-            full.index_copy_(0, st.keep, out)
+            full.index_copy_(0, st.keep, out[:st.keep.numel()])
             out = full
         y = self.comm.moe_combine(out.contiguous(), st.d)
         result = torch.zeros((st.tokens, y.shape[1]), dtype=y.dtype, device=y.device)

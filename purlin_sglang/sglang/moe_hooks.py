@@ -28,13 +28,13 @@ def _once(level: int, text: str) -> None:
 def purlin_moe_config():
     """This process's ``moe:`` section when purlin is chosen as the dispatcher, else None."""
     from . import plugin
-    from .moe_config import moe_config_of
+    from .moe_config import moe_settings_of
 
     settings = plugin.active_settings()
     if settings.backend != "purlin" or settings.config_path is None:
         return None
-    cfg = moe_config_of(settings.load_config(), settings.config_path)
-    return cfg if cfg.purlin else None
+    cfg = moe_settings_of(settings.load_config())
+    return cfg if cfg.dispatcher == "purlin" else None
 
 
 def create_moe_dispatcher(original, moe_runner_config: Any, quant_method: Any = None, *args, **kwargs):
