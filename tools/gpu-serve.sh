@@ -8,6 +8,8 @@
 #
 # STEPS (default "setup tp1 tp2"): setup = install the wheels into /tmp/site and build purlin (skipped
 #   when the same sources are already installed on a warm machine);
+#   core     tp1-nccl, tp2-gloo-ref, tp2-purlin-eager, tp1-purlin-yaml, tp2-purlin-graph (the runs below,
+#            most important first, for a short call)
 #   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
 #            CUDA graphs on; purlin's tokens checked against the default's
 #   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
@@ -28,7 +30,10 @@ T_START=$(date +%s)
 export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 # PYTHONSAFEPATH: no process (the benchmark's children neither) puts the working directory first on sys.path,
 # so the installed purlin_sglang (with its native library) is imported, not the checkout's sources.
+# SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK: sglang 0.5.23 asserts sglang-kernel >= 0.4.9 at launch; the carried
+# 0.4.5 is the build that links against the device's torch 2.11 (../shared/tools/serving-wheels.sh).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 PYTHONSAFEPATH=1
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 COMMON=(--attention-backend triton --sampling-backend pytorch --grammar-backend none --random-seed 42
         --disable-radix-cache --cuda-graph-max-bs-decode 16 --host 127.0.0.1 --log-level info)
@@ -51,13 +56,14 @@ if has setup; then
       > "$LOGS/wheels.log" 2>&1; say "wheels rc=$? secs=$(( $(date +%s) - T0 ))"
   else say "wheels: /tmp/site already has sglang"; fi
   STAMP=$(cat pyproject.toml CMakeLists.txt $(find native purlin_sglang -type f -name '*.[ch]*' -o -type f -name '*.py' -o -type f -name '*.cu*' | sort) 2>/dev/null | md5sum | cut -c1-16)
-  if [ "$(cat /tmp/purlin-build.stamp 2>/dev/null)" != "$STAMP" ]; then
-    T0=$(date +%s)
-    timeout 300 env -u PYTHONSAFEPATH python3 -m pip install --no-build-isolation --no-deps . > "$LOGS/build.log" 2>&1; rc=$?
-    say "purlin build rc=$rc secs=$(( $(date +%s) - T0 ))"; [ $rc -eq 0 ] && echo "$STAMP" > /tmp/purlin-build.stamp \
-      || tail -30 "$LOGS/build.log" | tee -a "$OUT/summary.txt"
-  else say "purlin: already built from these sources"; fi
-  timeout 120 python3 -P - > "$LOGS/imports.log" 2>&1 <<'EOF'
+  build_and_check() {  # in the background, while the first (default-backend) server starts
+    if [ "$(cat /tmp/purlin-build.stamp 2>/dev/null)" != "$STAMP" ]; then
+      local T0=$(date +%s)
+      timeout 300 env -u PYTHONSAFEPATH python3 -m pip install --no-build-isolation --no-deps . > "$LOGS/build.log" 2>&1
+      local rc=$?; say "purlin build rc=$rc secs=$(( $(date +%s) - T0 ))"
+      [ $rc -eq 0 ] && echo "$STAMP" > /tmp/purlin-build.stamp || tail -30 "$LOGS/build.log" >> "$OUT/summary.txt"
+    else say "purlin: already built from these sources"; fi
+    timeout 120 python3 -P - > "$LOGS/imports.log" 2>&1 <<'EOF'
 import importlib.metadata as md, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
 for d in ("sglang", "sglang-kernel", "transformers", "purlin-sglang", "triton"):
@@ -70,8 +76,9 @@ print("hooks missing:", plugin.missing_hooks())
 from purlin_sglang.engines import cuda_engine_status
 print("cuda engine:", cuda_engine_status() or "ready")
 EOF
-  say "imports rc=$?: $(grep -E '^(torch|version|hooks|cuda engine)' "$LOGS/imports.log" | tr '\n' ' ')"
-  grep -q "hooks missing: \[\]" "$LOGS/imports.log" || tail -20 "$LOGS/imports.log" >> "$OUT/summary.txt"
+    say "imports rc=$?: $(grep -E '^(torch|version|hooks|cuda engine)' "$LOGS/imports.log" | tr '\n' ' ')"
+  }
+  build_and_check & BUILD_PID=$!
 fi
 SGLANG_V=$(python3 -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null)
 TORCH_V=$(python3 -c "import torch; print(torch.__version__)" 2>/dev/null)
@@ -83,9 +90,11 @@ free_gpu() {  # wait until no process holds the GPU (a server's workers exit a l
 }
 
 # serve NAME TP BACKEND GRAPH REFERENCE -- SGLANG FLAGS...: one server, the client's run, then stop it.
+EXITS=0  # servers in a row that exited before they were ready: after 2, the rest is skipped (same cause)
 serve() {
   local name=$1 tp=$2 backend=$3 graph=$4 ref=$5; shift 6
   if [ "$(left)" -lt 60 ]; then say "$name: skipped (deadline: $(left) s left)"; return; fi
+  if [ "$EXITS" -ge 2 ]; then say "$name: skipped (the last $EXITS servers exited before they were ready)"; return; fi
   local port=$(( 31000 + RANDOM % 2000 )) log="$LOGS/server-$name.log" extra=()
   [ "$graph" = true ] || extra+=(--disable-cuda-graph)
   local cmd=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size "$tp" --port "$port"
@@ -93,6 +102,7 @@ serve() {
   say "$name: ${cmd[*]}"
   setsid "${cmd[@]}" > "$log" 2>&1 &
   local pid=$! wait_s=$WAIT
+  if [ -n "$BUILD_PID" ]; then wait $BUILD_PID; BUILD_PID=""; fi  # the build: not while a server is measured
   [ "$(left)" -lt "$wait_s" ] && wait_s=$(left)
   timeout $(( wait_s + 200 )) python3 tools/gpu-serve-client.py run --url "http://127.0.0.1:$port" --log "$log" \
     --pid $pid --name "$name" --out "$RUNS/$name.json" --backend "$backend" --tp "$tp" --model "$(basename "$MODEL")" \
@@ -100,10 +110,20 @@ serve() {
     --wait "$wait_s" --timeout 150 --command "${cmd[*]}" $([[ " $* " == *nccl-free* ]] && echo --nccl-free) 2>&1 | tee -a "$OUT/summary.txt"
   kill -TERM -- -$pid 2>/dev/null; for _ in $(seq 15); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
-  grep -E "Error|error|Traceback" "$log" | grep -v "INFO" | head -5 >> "$OUT/summary.txt"
+  grep -q "server process exited" "$RUNS/$name.json" 2>/dev/null && EXITS=$((EXITS + 1)) || EXITS=0
+  grep -E "Error|error|Traceback" "$log" | grep -v "INFO" | tail -4 >> "$OUT/summary.txt"
   free_gpu
 }
 
+if has core; then  # the shortest path through the issue's runs, most important first
+  serve tp1-nccl 1 nccl true "" -- --mem-fraction-static 0.6
+  serve tp2-gloo-ref 2 nccl false "" -- --mem-fraction-static 0.25 --purlin-nccl-free
+  serve tp2-purlin-eager 2 purlin false tp2-gloo-ref -- --mem-fraction-static 0.25 \
+    --config configs/purlin-sglang-nccl-free.yaml
+  serve tp1-purlin-yaml 1 purlin true tp1-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
+  serve tp2-purlin-graph 2 purlin true tp2-gloo-ref -- --mem-fraction-static 0.25 \
+    --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph
+fi
 if has tp1; then
   serve tp1-nccl 1 nccl true "" -- --mem-fraction-static 0.6
   serve tp1-purlin-yaml 1 purlin true tp1-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
