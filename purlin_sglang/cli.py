@@ -200,7 +200,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: Any) -> None:
-    """``bench <what>``: benchmarks (purlin_sglang/bench/): ``bench collectives``, ``bench offline``."""
+    """``bench <what>``: benchmarks (purlin_sglang/bench/): ``bench collectives``, ``bench offline``, ``bench moe``."""
     from .bench import collectives as bench_collectives
 
     b = sub.add_parser("bench", help="benchmarks: 'bench collectives' times every collective against baselines; "
@@ -216,6 +216,12 @@ def _add_bench(sub: Any) -> None:
                         "--compare nccl,purlin", description=bench_offline.__doc__.split("\n\n")[0])
     bench_offline.add_arguments(o)
     o.set_defaults(fn=bench_offline.run)
+    from .bench import moe as bench_moe
+
+    m = bsub.add_parser("moe", help="time MoE dispatch / combine (and a torch reference) on virtual ranks",
+                        description=bench_moe.__doc__.split("\n\n")[0])
+    bench_moe.add_arguments(m)
+    m.set_defaults(fn=bench_moe.run)
 
 
 def main(argv: list[str] | None = None) -> int:
