@@ -170,6 +170,8 @@ class PurlinMoEDispatcher(BaseDispatcher):
         rows = d.x
         if d.scales is not None:  # FP8 on the wire: the experts get the hidden states' dtype
             rows = (rows.to(torch.float32) * d.scales.to(torch.float32).unsqueeze(1)).to(hidden_states.dtype)
+        elif rows.dtype != hidden_states.dtype:  # bf16 on the wire for other activations
+            rows = rows.to(hidden_states.dtype)
         expert = d.expert
         keep = None
         if rows.device.type == "cpu" and (rows.shape[0] == 0 or bool((expert < 0).any())):
