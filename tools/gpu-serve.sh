@@ -18,12 +18,12 @@
 #   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs on
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
 #   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
-# Knobs: MODEL (configs/models/llama-dense-8l), PROMPTS (16), OT output tokens (32), REPEATS (3),
+# Knobs: MODEL (configs/models/olmo-dense-8l; the Llama one needs cutlass, see docs/SGLANG.md), PROMPTS (16), OT output tokens (32), REPEATS (3),
 #   DEADLINE seconds after which no new step starts (470; give the call 600), WAIT seconds for a server to be ready (240).
 # On a machine with a GPU per rank, run the same steps WITHOUT --purlin-nccl-free (one process per GPU, NCCL
 # as SGLang sets it up): NCCL_FREE=0 makes tp2/tp4 do that (reference = the default backend, graphs on).
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/gpu-serve/logs; RUNS="$LOGS/runs"; rm -rf "$LOGS"; mkdir -p "$RUNS" "$OUT"
-STEPS=${STEPS:-"setup tp1 tp2"}; MODEL=${MODEL:-configs/models/llama-dense-8l}
+STEPS=${STEPS:-"setup tp1 tp2"}; MODEL=${MODEL:-configs/models/olmo-dense-8l}
 PROMPTS=${PROMPTS:-16}; OT=${OT:-32}; REPEATS=${REPEATS:-3}; DEADLINE=${DEADLINE:-470}; WAIT=${WAIT:-240}
 NCCL_FREE=${NCCL_FREE:-1}
 T_START=$(date +%s)

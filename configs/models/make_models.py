@@ -1,6 +1,6 @@
 """Write the serving test models of configs/models/ (config + tokenizer, no weights), made locally.
 
-    python configs/models/make_models.py            # rewrites configs/models/{llama-dense-8l,qwen3-moe-4l}
+    python configs/models/make_models.py            # rewrites configs/models/{llama-dense-8l,olmo-dense-8l,qwen3-moe-4l}
     python configs/models/make_models.py --check    # exit 1 if a committed file differs from what it writes
 
 Both are served with ``--load-format dummy`` (SGLang's dummy loader: every parameter drawn from a generator
@@ -11,6 +11,10 @@ models' vocab_size is the tokenizer's, so every id the model can emit decodes.
 
 - ``llama-dense-8l``: LlamaForCausalLM, hidden 4096, 32 attention heads, 8 KV heads (head_dim 128),
   intermediate 14336, 8 layers: Llama-3-8B's layer shape, 8 of its 32 layers (TP 1, 2, 4, 8).
+- ``olmo-dense-8l``: OlmoForCausalLM (OLMo-1-7B's layer shape: hidden 4096, 32 heads, multi-head KV,
+  intermediate 11008, SwiGLU, weightless LayerNorm), 8 layers. The dense model tools/gpu-serve.sh serves:
+  SGLang 0.5.23's Llama and Qwen2/3 MLPs import ``cutlass`` (nvidia-cutlass-dsl, for their DualGemm) on every
+  CUDA start, and the carried wheel set has no cutlass (docs/SGLANG.md, "Serving on the GPU machine").
 - ``qwen3-moe-4l``: Qwen3MoeForCausalLM, hidden 2048, 32 heads, 4 KV heads (head_dim 128), 4 layers, every
   layer sparse: 16 experts of intermediate 768, top-2, normalised top-k (Qwen3-30B-A3B's layer shape with
   16 of its 128 experts; 16 divides by TP/EP 2 and 4).
@@ -42,6 +46,13 @@ MODELS = {
         "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "torch_dtype": "bfloat16",
+    },
+    "olmo-dense-8l": {
+        "architectures": ["OlmoForCausalLM"], "model_type": "olmo",
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 8,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+        "attention_dropout": 0.0, "clip_qkv": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
     "qwen3-moe-4l": {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
