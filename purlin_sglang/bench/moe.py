@@ -18,7 +18,8 @@ engine's threads with ``--device cpu``). Each rank makes its tokens and a random
 Rows report the median / p10 / p90 of the slowest rank per iteration, the payload bytes moved
 (summed over ranks), and on a GPU the copy ceiling measured in the same run (bench/floor.py: a
 loopback exchange of B bytes must read and write them: ceiling = 2 B / copy bandwidth) with the
-fraction of it reached, and each rank's HBM footprint (``Communicator.hbm_bytes``). Writes
+fraction of it reached, and each rank's HBM footprint (``Communicator.hbm_bytes``: workspace, op
+tables and MoE region; ``moe_hbm_bytes``: the MoE region alone). Writes
 ``moe.json`` and ``moe.png`` to ``--out``, prints a table; exit code 1 if any result is wrong.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import inspect
 import json
 import sys
 import threading
@@ -107,7 +109,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def torch_reference(comm, inp, s: torch.Tensor, experts: int) -> torch.Tensor:
+def torch_reference(comm, inp, s: torch.Tensor, experts: int, chunk: int = 8192) -> torch.Tensor:
     """The expert-parallel layer from standard collectives: all-gather, index, experts, reduce-scatter."""
     world, k = comm.world_size, inp.ids.shape[1]
     local = experts // world
@@ -116,9 +118,11 @@ def torch_reference(comm, inp, s: torch.Tensor, experts: int) -> torch.Tensor:
     meta = comm.all_gather(torch.cat([inp.ids.to(torch.float32), inp.w.to(torch.float32)], 1).contiguous())
     ids_all, w_all = meta[:, :k].to(torch.int64), meta[:, k:]
     t, kk = ((ids_all >= lo) & (ids_all < hi)).nonzero(as_tuple=True)
-    g = ids_all[t, kk]
-    rows = x_all.index_select(0, t).to(torch.float32) * (s[g] * w_all[t, kk]).unsqueeze(1)
-    part = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device).index_add_(0, t, rows)
+    coef = s[ids_all[t, kk]] * w_all[t, kk]
+    part = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
+    for i in range(0, t.shape[0], chunk):  # float32 temporaries of ``chunk`` rows
+        rows = x_all.index_select(0, t[i:i + chunk]).to(torch.float32) * coef[i:i + chunk, None]
+        part.index_add_(0, t[i:i + chunk], rows)
     return comm.reduce_scatter(part.to(torch.bfloat16))
 
 
@@ -156,6 +160,7 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         sync(stream)
         ok, err, ratio = check(y, inp, experts, wire)
         res = {"ok": ok, "err": err, "ratio": ratio, "rows": d.rows, "hbm": comm.hbm_bytes,
+               "moe_hbm": getattr(comm, "moe_hbm_bytes", None),
                "workspace": comm.workspace_bytes, "y": y.cpu() if not graph else None}
         barrier.wait()
         per_call = d.rows * args.hidden * d.x.element_size() + tokens * args.hidden * 2
@@ -176,8 +181,12 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
                 barrier.wait()
                 res[op] = time_each(step, args.iters, stream)
         sync(side if graph else stream)
+        comm.synchronize()  # raises an error a replayed call recorded (a timeout, a capacity overflow)
         res["pair_ok"] = check(last["y"], inp, experts, wire)[0]
         res["graph_calls"] = calls if graph else None
+        steps.clear()
+        d = eo = y = None  # noqa: F841 - their memory is free for the torch reference
+        last.clear()
         if with_reference:
             if r == 0:
                 sys.stderr.write(f"  tokens {tokens}: timing the torch reference (eager)\n")
@@ -192,8 +201,22 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         return res
 
     cfg = {"timeout_s": args.timeout, "moe": {"max_tokens_per_rank": max(tokens, 1)}}
-    per_rank = run_virtual(world, fn, device=device, config=cfg)
+    extra = {}
+    if device.type == "cuda" and "reserve_bytes" in inspect.signature(run_virtual).parameters:
+        # loopback ranks share one CUDA context: a rank's cudaMalloc while peers' kernels wait for it
+        # stalls, so each rank's eager peak is reserved up front (run_virtual's reserve_bytes)
+        extra["reserve_bytes"] = reserve_bytes(args, tokens, capacity)
+    per_rank = run_virtual(world, fn, device=device, config=cfg, **extra)
     return {"inputs": inputs, "capacity": capacity, "ranks": per_rank}
+
+
+def reserve_bytes(args, tokens: int, capacity: int | None) -> int:
+    """An upper estimate of one rank's eager allocations in ``_config_run`` (bytes)."""
+    h, k, w = args.hidden, args.topk, args.world
+    rows = args.experts * (capacity or tokens)  # expert rows: L * W * capacity (exact rows are fewer)
+    purlin = rows * h * 2 * 2 + 8192 * h * 4 + tokens * h * 2 * 4
+    reference = w * tokens * h * (2 + 4 + 2) + 8192 * h * (2 + 4 + 4) + tokens * w * k * 16
+    return int(1.25 * (purlin + reference)) + (256 << 20)
 
 
 def _samples(per_rank: list[dict], key: str) -> list[float]:
@@ -206,7 +229,8 @@ def make_rows(args, tokens: int, dtype_name: str, run: dict, floor: dict | None)
     d_bytes, c_bytes = wire_bytes([i.ids for i in inputs], args.experts, args.world, args.hidden, wire)
     base = {"tokens": tokens, "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "world": args.world,
             "capacity": run["capacity"], "rows": max(pr["rows"] for pr in ranks),
-            "hbm_bytes": max(pr["hbm"] for pr in ranks), "workspace_bytes": ranks[0]["workspace"],
+            "hbm_bytes": max(pr["hbm"] for pr in ranks), "moe_hbm_bytes": ranks[0]["moe_hbm"],
+            "workspace_bytes": ranks[0]["workspace"],
             "graph_calls": ranks[0]["graph_calls"]}
     # exact rows (eager) and small enough: also bitwise against the loop reference of purlin_sglang.moe
     bitwise = bitwise_vs_reference([pr["y"] for pr in ranks], inputs, args.experts, wire)
@@ -281,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
                           "combine, no expert work; torch-ref = all_gather + index + stand-in experts + "
                           "reduce_scatter, eager")
     result = {"environment": environment(args.device), "settings": settings, "floor": floor, "rows": rows,
-              "failures": failures, "command": "purlin-sglang bench moe " + " ".join(sys.argv[3:])}
+              "failures": failures, "argv": sys.argv}
     (out_dir / "moe.json").write_text(json.dumps(result, indent=2, default=str))
     png, why = plot(rows, out_dir / "moe.png")
     print(format_table(rows, floor))

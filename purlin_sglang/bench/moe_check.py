@@ -8,7 +8,8 @@ over the valid slots: the float64 reference is this closed form. A result passes
 is within a bound derived from the roundings on the way (unit roundoff u: bf16 2^-8, e4m3 2^-4): the
 expert's output rounded to bf16 (u relative), FP8 on the wire (per-token scale = amax / 448: u_e4m3
 relative plus 2^-9 * scale absolute, the subnormal spacing), and the result rounded to bf16 (u
-relative to |y|); 10% slack covers the float32 accumulation of K terms and the products of errors.
+relative to |y|); 10% slack covers the float32 products and accumulation of K terms and the products
+of errors.
 The torch reference path rounds its partial sums to bf16 instead of each expert output: the same
 bound holds.
 """
@@ -50,16 +51,15 @@ def expert_scale(experts: int, device: torch.device) -> torch.Tensor:
 
 
 def run_experts(rows: torch.Tensor, scales_fp8: torch.Tensor | None, local_expert: torch.Tensor, rank: int,
-                local: int, s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The stand-in experts on dispatched rows (padding rows, expert -1, give don't-care values)."""
-    r = rows.to(torch.float32)
-    if scales_fp8 is not None:
-        r = r * scales_fp8.to(torch.float32).unsqueeze(1)
+                local: int, s: torch.Tensor, out: torch.Tensor | None = None, chunk: int = 8192) -> torch.Tensor:
+    """The stand-in experts on dispatched rows, in bf16: ``rows * (scale * s[g])`` computed in float32
+    (FP8 rows: times their dequantisation scale), ``chunk`` rows at a time so the float32 temporary
+    stays small. Padding rows (expert -1) give don't-care values."""
     g = (local_expert.to(torch.int64) + rank * local).clamp(min=0)
-    res = (r * s[g].unsqueeze(1)).to(torch.bfloat16)
-    if out is None:
-        return res
-    out.copy_(res)
+    f = s[g] if scales_fp8 is None else s[g] * scales_fp8.to(torch.float32)
+    out = torch.empty(rows.shape, dtype=torch.bfloat16, device=rows.device) if out is None else out
+    for i in range(0, rows.shape[0], chunk):
+        out[i:i + chunk] = (rows[i:i + chunk].to(torch.float32) * f[i:i + chunk, None]).to(torch.bfloat16)
     return out
 
 
