@@ -54,6 +54,9 @@ class _VirtualWorld:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self.workspace = LoopbackWorld(world, config.staging_bytes, index)
+            from .engines.cuda_moe import SharedRegions
+
+            self.moe_regions = SharedRegions()  # the MoE region, made by the first MoE call
         else:
             self.device = torch.device("cpu")
             self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
@@ -64,6 +67,7 @@ class _VirtualWorld:
     def close(self) -> None:
         if self.device.type == "cuda":
             self.workspace.close()
+            self.moe_regions.close()
 
 
 class Communicator:
@@ -188,11 +192,14 @@ class Communicator:
         self.device = vworld.device
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=True)
         self._init(vworld.rank_workspace(rank), rank, vworld.world, engine.name, None)
+        self._vworld = vworld
         return self
 
     def _init(self, ws: Any, rank: int, world: int, engine: str, group: Any) -> None:
         self.rank, self.world_size, self.group = rank, world, group
         self.engine_name = engine
+        self._vworld = None
+        self._moe = None
         self._ws = ws
         if engine == "cuda":
             from .engines.cuda import CudaEngine
@@ -223,7 +230,12 @@ class Communicator:
         """Bytes of GPU memory this rank holds: its workspace plus its op tables (0 for the CPU engine)."""
         if self._closed or self.engine_name != "cuda":
             return 0
-        return self._ws.hbm_bytes + self._engine.table_bytes
+        return self._ws.hbm_bytes + self._engine.table_bytes + self.moe_hbm_bytes
+
+    @property
+    def moe_hbm_bytes(self) -> int:
+        """Bytes of GPU memory this rank's MoE region holds (0 before the first CUDA MoE call)."""
+        return self._moe.hbm_bytes if getattr(self, "_moe", None) is not None else 0
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._engine.broken else "ready")
@@ -346,11 +358,7 @@ class Communicator:
     def _moe_engine(self):
         eng = getattr(self, "_moe", None)
         if eng is None:
-            try:
-                from .engines.cuda_moe import CudaMoE
-            except ImportError:
-                raise PurlinUnavailableError("moe_dispatch: the CUDA engine's MoE path is not built yet; "
-                                             "use the CPU engine") from None
+            from .engines.cuda_moe import CudaMoE
 
             eng = self._moe = CudaMoE(self)
         return eng
@@ -460,6 +468,8 @@ class Communicator:
             raise PurlinClosedError(f"{name}: the communicator is closed; create a new one")
         if self.engine_name == "cuda":
             self._engine.check()  # a timeout recorded by an earlier kernel (no device sync)
+            if self._moe is not None:
+                self._moe.check()  # an error an earlier MoE kernel recorded (no device sync)
         if self._engine.broken:
             raise PurlinBrokenError(
                 f"{name}: the communicator is broken by an earlier failure ({self._engine.broken}); "
@@ -557,6 +567,8 @@ class Communicator:
         self._check_usable("synchronize")
         if self.engine_name == "cuda":
             self._engine.synchronize()
+            if self._moe is not None:
+                self._moe.synchronize()
 
     @contextlib.contextmanager
     def capture(self):
@@ -581,6 +593,9 @@ class Communicator:
         if self.engine_name == "cuda" and self.group is not None:
             with contextlib.suppress(Exception):  # my kernels end (at worst by timeout) before my memory goes
                 torch.cuda.synchronize(self.device)
+        if getattr(self, "_moe", None) is not None:
+            self._moe.close()
+            self._moe = None
         self._engine.close()
         if self.group is not None:  # a process-shared mapping is this rank's own
             self._ws.close()
@@ -642,7 +657,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
-def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any = "cpu", config: Any = None) -> list:
+def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any = "cpu", config: Any = None,
+                reserve_bytes: int = 256 << 20) -> list:
     """Call ``fn(comm)`` once per virtual rank, concurrently, and return the results in rank order.
 
     Virtual ranks are threads of this process sharing one workspace: host memory on CPU; on
@@ -650,6 +666,12 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     stream, running the CUDA engine; each rank's stream is synchronized after ``fn`` returns).
     If any rank raises, the others are released (CPU: their waits fail fast; CUDA: they time
     out) and the first root-cause error is re-raised.
+
+    ``reserve_bytes`` (CUDA): bytes of torch's caching allocator reserved on each rank's stream
+    before the ranks start (plus a few MiB of small blocks). Loopback ranks share one CUDA context,
+    and a cudaMalloc in one rank while its peers' kernels wait for that rank's next launch stalls
+    until their timeout; eager code in ``fn`` (MoE calls, expert computations) that allocates more
+    than this per rank should raise it.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")
@@ -670,6 +692,7 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     errors: list[BaseException | None] = [None] * world_size
     if cuda:  # one stream per rank; inputs made before the call are complete before any rank starts
         streams, release_streams = _rank_streams(vworld.device, world_size)
+        _reserve(vworld.device, streams, reserve_bytes)
         torch.cuda.synchronize(vworld.device)
 
     def call(r: int) -> Any:
@@ -715,6 +738,16 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
             e.add_note(f"run_virtual: ranks {[f[0] for f in failed]} failed; this is rank {r}'s error")
         raise e
     return results
+
+
+def _reserve(device: torch.device, streams: list, nbytes: int) -> None:
+    """Fill torch's caching allocator for each stream (its blocks serve later allocations on that
+    stream without a cudaMalloc): one large block of ``nbytes`` and 16 MiB of small blocks."""
+    for s in streams:
+        with torch.cuda.device(device), torch.cuda.stream(s):
+            big = torch.empty(max(0, int(nbytes)), dtype=torch.uint8, device=device)
+            small = [torch.empty(1 << 19, dtype=torch.uint8, device=device) for _ in range(32)]
+            del big, small
 
 
 def _rank_streams(device: torch.device, n: int) -> tuple[list, Callable[[], None]]:

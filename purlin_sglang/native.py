@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -72,6 +72,22 @@ class SnacParams(ctypes.Structure):
     ]
 
 
+MOE_MAX_RANKS = 64  # PURLIN_MOE_MAX_RANKS
+_vp = ctypes.c_void_p
+
+
+class MoeParams(ctypes.Structure):
+    """native.h's PurlinMoeParams (keep the field order in step with the header)."""
+
+    _fields_ = [("bases", ctypes.c_void_p * MOE_MAX_RANKS)] + [(n, _ll) for n in (
+        "rank", "world", "blocks", "local", "topk", "tokens", "max_tokens", "capacity", "payload_bytes",
+        "hdr_bytes", "slot_bytes", "ret_bytes", "count_off", "count_bytes", "done_off", "recv_off",
+        "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
+        "host_error", "x", "scales", "dst", "le", "j", "send_pos", "counts", "tokens_to", "bad_ids", "out_x",
+        "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "expert_out", "row_src", "row_slot",
+        "weights", "y")] + [("dtype", _ll)]
+
+
 class NativeLibrary:
     """Typed ctypes bindings over the loaded native library. Obtain it with :func:`load`."""
 
@@ -104,6 +120,13 @@ class NativeLibrary:
         lib.purlin_snac_execute.restype = ctypes.c_int
         lib.purlin_snac_occupancy.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.purlin_snac_occupancy.restype = ctypes.c_int
+        for name in ("purlin_moe_dispatch", "purlin_moe_combine"):
+            getattr(lib, name).argtypes = [ctypes.POINTER(MoeParams), ctypes.c_void_p]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.purlin_moe_occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        lib.purlin_moe_occupancy.restype = ctypes.c_int
+        self.moe_dispatch = lib.purlin_moe_dispatch  # (byref(MoeParams), stream) -> cudaError_t
+        self.moe_combine = lib.purlin_moe_combine
         self._lib = lib
         self.snac_execute = lib.purlin_snac_execute  # (byref(SnacParams), stream) -> cudaError_t; hot path
 
@@ -112,6 +135,12 @@ class NativeLibrary:
         per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
         self.check("snac_occupancy", int(self._lib.purlin_snac_occupancy(dtype_code, ctypes.byref(per_sm),
                                                                          ctypes.byref(sms))))
+        return int(per_sm.value), int(sms.value)
+
+    def moe_occupancy(self) -> tuple[int, int]:
+        """(resident MoE-kernel blocks per SM, SM count) of the current device; loads both kernels."""
+        per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
+        self.check("moe_occupancy", int(self._lib.purlin_moe_occupancy(ctypes.byref(per_sm), ctypes.byref(sms))))
         return int(per_sm.value), int(sms.value)
 
     def abi_version(self) -> int:
@@ -333,6 +362,6 @@ def copy_atom(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
 
 
 __all__ = [
-    "ABI_VERSION", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES", "SNAC_MAX_RANKS", "SnacParams",
+    "ABI_VERSION", "MoeParams", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES", "SNAC_MAX_RANKS", "SnacParams",
     "build_info", "copy_atom", "load", "reduce_atom", "reduce_dtype_code",
 ]

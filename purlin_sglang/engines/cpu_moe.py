@@ -22,8 +22,8 @@ _HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x d
 def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int) -> list[int]:
     """All-gather (values..., tokens) of every rank; raise PurlinValueError on every rank if the
     ranks disagree on a value. Returns every rank's tokens."""
-    mine = torch.tensor(list(values) + [tokens], dtype=torch.int64)
-    seen = comm.all_gather(mine).view(comm.world_size, -1)
+    mine = torch.tensor(list(values) + [tokens], dtype=torch.int64, device=comm.device)
+    seen = comm.all_gather(mine).view(comm.world_size, -1).cpu()
     for i, name in enumerate(_HEADER_FIELDS[: len(values)]):
         col = seen[:, i].tolist()
         if any(v != col[0] for v in col):

@@ -29,15 +29,18 @@ class Route:
 
 
 def route(ids: torch.Tensor, num_experts: int, world: int) -> Route:
+    """Device ops only (no host sync; capturable). Ids outside [0, num_experts) are skipped slots
+    (the API rejects them before, except under graph capture, where the CUDA engine records them)."""
     t, k = ids.shape
     dev = ids.device
     ids = ids.to(torch.int64)
-    valid = ids >= 0
+    valid = (ids >= 0) & (ids < num_experts)
     local = num_experts // world
     dst = torch.where(valid, ids // local, -1)
     le = torch.where(valid, ids % local, -1)
     g = torch.where(valid, ids, num_experts).reshape(-1)
-    counts_ext = torch.bincount(g, minlength=num_experts + 1)
+    counts_ext = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts_ext.scatter_add_(0, g, torch.ones_like(g))  # the histogram (bincount would sync on CUDA)
     starts = torch.cumsum(counts_ext, 0) - counts_ext
     order = torch.argsort(g, stable=True)
     pos = torch.empty_like(order)
@@ -46,8 +49,15 @@ def route(ids: torch.Tensor, num_experts: int, world: int) -> Route:
     hit = torch.zeros(t, world + 1, dtype=torch.int64, device=dev)
     hit.scatter_(1, torch.where(valid, dst, world), 1)
     to_rank = hit[:, :world] > 0
-    slots = torch.bincount(torch.where(valid, dst, world).reshape(-1), minlength=world + 1)[:world]
-    return Route(dst, le, j, valid, counts_ext[:num_experts], to_rank, to_rank.sum(0), slots)
+    d_of = torch.where(valid, dst, world).reshape(-1)
+    slots = torch.zeros(world + 1, dtype=torch.int64, device=dev).scatter_add_(0, d_of, torch.ones_like(d_of))
+    return Route(dst, le, j, valid, counts_ext[:num_experts], to_rank, to_rank.sum(0), slots[:world])
+
+
+def send_positions(to_rank: torch.Tensor) -> torch.Tensor:
+    """[T, W] int64: the position of token t in the send list to rank d (token order), -1 if not sent."""
+    r = to_rank.to(torch.int64)
+    return torch.where(to_rank, torch.cumsum(r, 0) - 1, -1)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,10 +16,12 @@ FP8 = torch.float8_e4m3fn
 
 
 def make_case(world: int, num_experts: int, topk: int, hidden: int, dtype: torch.dtype, seed: int,
-              max_tokens: int = 9, empty_rank: bool = True, dup: bool = True):
+              max_tokens: int = 9, empty_rank: bool = True, dup: bool = True, fixed_tokens: bool = False):
     g = torch.Generator().manual_seed(seed)
     toks = [int(torch.randint(0, max_tokens + 1, (1,), generator=g)) for _ in range(world)]
-    if empty_rank and world > 1:
+    if fixed_tokens:  # graph replays: static shapes
+        toks = [max_tokens] * world
+    if empty_rank and world > 1 and not fixed_tokens:
         toks[seed % world] = 0
     # experts in the upper half of rank 0's range are never routed to (empty experts)
     local = num_experts // world
@@ -44,8 +46,7 @@ def expert_fn(d_x: torch.Tensor, expert: torch.Tensor, scales, out_dtype: torch.
         xf = xf * scales[:, None]
     e = expert.to(torch.float32)[:, None]
     out = (xf * (1 + e / 8) + e).to(out_dtype)
-    out[expert < 0] = float("nan")  # padding rows must be ignored by the combine
-    return out
+    return torch.where(expert[:, None] < 0, float("nan"), out)  # padding rows must be ignored (capturable)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -93,3 +93,58 @@ typedef struct PurlinSnacParams {
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream);
 // Max thread blocks of the interpreter per SM (occupancy), for dtype; returns a cudaError_t.
 PURLIN_API int purlin_snac_occupancy(int dtype, int* blocks_per_sm, int* sm_count);
+
+// ---- MoE dispatch / combine (ABI 6) ----------------------------------------------------------------------------
+// One launch per call and rank (native/moe/moe_kernel.cuh; plans: purlin_sglang/snac/moe.py). The
+// struct's offsets come from the host's MoELayout (purlin_sglang/memory/moe_layout.py).
+#define PURLIN_MOE_MAX_RANKS 64
+#define PURLIN_MOE_MAX_EXPERTS 4096  // count matrix [world][local] kept in shared memory
+#define PURLIN_MOE_ERROR_WORDS 16
+
+typedef struct PurlinMoeParams {
+  void* bases[PURLIN_MOE_MAX_RANKS];  // every rank's MoE region, as mapped here
+  long long rank, world, blocks;      // blocks: FIXED per region (the arrival counters count it)
+  long long local, topk, tokens;      // E/W, K, T (this rank's tokens)
+  long long max_tokens, capacity;     // recv slots per producer; rows per (source, local expert)
+  long long payload_bytes, hdr_bytes, slot_bytes;  // dispatch row, header (16-aligned), recv slot stride
+  long long ret_bytes;                 // combine row bytes (H * element size of expert_out)
+  long long count_off, count_bytes;    // count words [2 parities][world producers] x count_bytes
+  long long done_off;                  // done words [world producers] (8 bytes each)
+  long long recv_off, recv_parity_bytes;  // [2][world][max_tokens] x slot_bytes
+  long long ret_off, ret_parity_bytes;    // [2][max_tokens * topk] x ret_bytes
+  long long state_off;                 // own words: see moe_kernel.cuh (State)
+  long long timeout_ns;
+  long long* host_error;               // host-mapped record (PURLIN_MOE_ERROR_WORDS words)
+  // dispatch: inputs (device, from the routing prologue) and outputs
+  const void* x;                       // [T] rows of payload_bytes (already FP8 if quantised)
+  const float* scales;                 // [T] or null
+  const long long* dst;                // [T, K] destination rank, -1: skipped slot
+  const long long* le;                 // [T, K] local expert at dst
+  const long long* j;                  // [T, K] index of (t, k) among my rows for that expert
+  const long long* send_pos;           // [T, world] position of t in my send list to d, -1: not sent
+  const long long* counts;             // [E] rows per global expert from me
+  const long long* tokens_to;          // [world] tokens I send to each rank
+  const long long* bad_ids;            // [1] ids out of range (skipped), or null
+  void* out_x;                         // [local * world * capacity] rows of payload_bytes
+  float* out_scales;                   // or null
+  int* out_expert;
+  int* out_src;
+  long long* out_slot;
+  int* out_counts;                     // [local]
+  // combine
+  const void* expert_out;              // [local * world * capacity] rows of ret_bytes
+  const int* row_src;                  // the dispatch's out_src / out_slot
+  const long long* row_slot;
+  const float* weights;                // [T, K] float32
+  void* y;                             // [T] rows of ret_bytes
+  long long dtype;                     // combine element: purlin_dtype (bf16, f16, f32)
+} PurlinMoeParams;
+// Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
+// launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
+// ids out of range or a mismatch between ranks is written to host_error (see moe_kernel.cuh).
+// Returns a cudaError_t (cudaErrorInvalidValue for bad params: payload/ret bytes not multiples of 16,
+// topk > 32, world * local > PURLIN_MOE_MAX_EXPERTS, tokens > max_tokens, ...).
+PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream);
+PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream);
+// Max resident blocks per SM of both MoE kernels (the smaller), and the SM count; loads both kernels.
+PURLIN_API int purlin_moe_occupancy(int* blocks_per_sm, int* sm_count);

@@ -1,0 +1,310 @@
+"""The CUDA engine's MoE: the routing prologue as device ops, then one kernel per call.
+
+Dispatch: ``route`` (histogram + scan, FP8 quantisation) on the caller's stream, then the
+dispatch kernel (native/moe/moe_kernel.cuh: put rows, count words, wait, expand). Combine: the
+combine kernel (put back, done words, wait, weighted reduce). Nothing blocks the host in graph
+mode; every wait is bounded by ``timeout_s``.
+
+Modes:
+
+* graph mode (under CUDA graph capture, or ``capacity=`` given): ``world * capacity`` rows per local
+  expert (capacity defaults to ``moe.max_tokens_per_rank`` under capture). A (source, expert)
+  pair over capacity is recorded by the device (its rows past capacity are not delivered) and
+  raised as PurlinCapacityError at the next MoE call or ``synchronize()``; so are ids out of range
+  under capture (PurlinValueError). Eager calls with ``capacity=`` also exchange the counts first
+  and raise at once, on every rank.
+* eager exact (no capacity, not capturing): the counts (and a header of the call's shape) are
+  all-gathered first with the CUDA engine's all_gather and read on the host (a sync), which sizes
+  the rows exactly (capacity = the largest count) and catches a hidden-size mismatch on every rank.
+
+The MoE region (memory/moe_layout.py) is made on the first call: collective, blocks the host,
+not capturable (warm up before capturing). Its geometry comes from that call; a later call with
+larger rows or top-k raises PurlinValueError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .. import native
+from ..errors import (
+    PurlinBrokenError, PurlinCapacityError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError,
+    PurlinUnavailableError, PurlinValueError,
+)
+from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
+from ..moe.dispatch import MoEDispatch
+from ..moe.routing import quantize_fp8, route, send_positions
+from .cpu_moe import _DTYPE_CODE, exchange_header, overflow
+
+MAX_BLOCKS = 24  # per rank; every rank of a GPU co-resident with margin for the SNAC kernels of peers
+_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+class LoopbackMoERegion:
+    """Every virtual rank's MoE region in ONE allocation (zeroed, then the stream synchronized)."""
+
+    def __init__(self, layout: MoELayout, device: torch.device):
+        self.layout = layout
+        self._buf = torch.zeros(layout.rank_bytes * layout.world, dtype=torch.uint8, device=device)
+        torch.cuda.current_stream(device).synchronize()  # zeroed before any rank's kernel runs
+        base = self._buf.data_ptr()
+        self.base_ptrs = [base + r * layout.rank_bytes for r in range(layout.world)]
+
+    def close(self) -> None:
+        self._buf = None
+
+
+class SharedRegions:
+    """The loopback world's MoE region, made by the first virtual rank that needs it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.region: LoopbackMoERegion | None = None
+
+    def get(self, layout: MoELayout, device: torch.device) -> LoopbackMoERegion:
+        with self._lock:
+            if self.region is None:
+                self.region = LoopbackMoERegion(layout, device)
+            elif self.region.layout != layout:
+                raise PurlinValueError(
+                    f"moe_dispatch: the virtual ranks' first MoE calls disagree on the region ({self.region.layout} "
+                    f"vs {layout}): hidden size, top-k or dtype differ between ranks")
+            return self.region
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.close()
+        self.region = None
+
+
+class _State:
+    """What a dispatch leaves for its combine (kept alive with the MoEDispatch)."""
+
+    __slots__ = ("dst", "src", "slot", "rows", "cap", "index")
+
+    def __init__(self, dst, src, slot, rows, cap, index):
+        self.dst, self.src, self.slot, self.rows, self.cap, self.index = dst, src, slot, rows, cap, index
+
+
+class CudaMoE:
+    def __init__(self, comm):
+        self.comm = comm
+        self.lib = native.load()
+        self.device = comm.device
+        self.world, self.rank = comm.world_size, comm.rank
+        self.max_tokens = comm.config.moe.max_tokens_per_rank
+        virtual = comm.group is None
+        with torch.cuda.device(self.device):
+            per_sm, sms = self.lib.moe_occupancy()
+        slots = per_sm * sms // (self.world if virtual else 1)
+        if slots < 1:
+            raise PurlinUnavailableError(f"moe_dispatch: {self.world} virtual ranks cannot all be resident on "
+                                         f"{sms} SMs ({per_sm} MoE block(s) per SM)")
+        self.blocks = min(MAX_BLOCKS, slots)
+        self.layout: MoELayout | None = None
+        self.region = None
+        self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
+        self._host_error = torch.zeros(16, dtype=torch.int64, pin_memory=True)
+        self._err = self._host_error.numpy()
+        self._stream = None
+        self.broken: str | None = None
+
+    # -- the region ------------------------------------------------------------------------------------
+    def _region(self, topk: int, payload_bytes: int, ret_bytes: int, capturing: bool) -> MoELayout:
+        if self.layout is not None:
+            if not self.layout.fits(topk, payload_bytes):
+                raise PurlinValueError(
+                    f"moe_dispatch: rows of {payload_bytes} bytes with top-{topk} do not fit the MoE region made by "
+                    f"the first call ({self.layout}); make the first call with the largest hidden size and top-k")
+            return self.layout
+        if capturing:
+            raise PurlinUnavailableError("moe_dispatch: the MoE region is made on the first call, which cannot be "
+                                         "captured; run the call once outside the CUDA graph capture (warm-up)")
+        layout = MoELayout(self.world, self.max_tokens, topk, payload_bytes, ret_bytes)
+        vworld = getattr(self.comm, "_vworld", None)
+        if vworld is not None:
+            self.region = vworld.moe_regions.get(layout, self.device)
+        else:
+            from ..memory import device_provider
+
+            self._own_region = device_provider(self.comm.memory).create(
+                layout.rank_bytes, self.comm.group, self.device.index, self.rank, self.world, layout=layout)
+            self.region = self._own_region
+        self.layout = layout
+        return layout
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.layout.rank_bytes if self.layout is not None else 0
+
+    def _params(self, layout: MoELayout) -> native.MoeParams:
+        p = native.MoeParams()
+        for r, ptr in enumerate(self.region.base_ptrs):
+            p.bases[r] = ptr
+        p.rank, p.world, p.blocks, p.max_tokens = self.rank, self.world, self.blocks, layout.max_tokens
+        p.count_off, p.count_bytes, p.done_off = layout.count_off, layout.count_bytes, layout.done_off
+        p.recv_off, p.recv_parity_bytes = layout.recv_off, layout.recv_parity_bytes
+        p.ret_off, p.ret_parity_bytes, p.state_off = layout.ret_off, layout.ret_parity_bytes, layout.state_off
+        p.timeout_ns = int(self.comm.config.timeout_s * 1e9)
+        p.host_error = self._host_error.data_ptr()
+        return p
+
+    def _launch(self, fn, p, op: str) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        self._stream = stream
+        code = fn(ctypes.byref(p), stream.cuda_stream)
+        if code:
+            raise PurlinCudaError(f"{op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
+
+    # -- errors ----------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise an error a MoE kernel recorded (no device sync)."""
+        if self.broken:
+            raise PurlinBrokenError(f"moe: the communicator is broken ({self.broken})")
+        if not self._err[0]:
+            return
+        code, kind, rank, peer, expert, count, cap, epoch, seen = (int(v) for v in self._err[:9])
+        op = "moe_combine" if kind == 1 else "moe_dispatch"
+        if code == 2:
+            self._err[:] = 0
+            raise PurlinCapacityError(
+                f"{op}: rank {peer} routed {count} rows to expert {expert}, more than capacity={cap} (seen by rank "
+                f"{rank}, call #{epoch}); the rows past capacity were not delivered; raise capacity or "
+                "moe.max_tokens_per_rank", rank=peer, expert=expert, count=count, capacity=cap) from None
+        if code == 3:
+            self._err[:] = 0
+            raise PurlinValueError(f"{op}: topk_ids held {count} id(s) outside [-1, num_experts) in a captured call "
+                                   f"(#{epoch}); they were skipped")
+        if code == 4:
+            msg = (f"{op}: rank {peer} dispatched rows of another shape (meta {count:#x}, mine {cap:#x}: hidden "
+                   "size, top-k or expert count differ between ranks); the communicator is now broken")
+            self.broken = msg
+            self.comm._engine.mark_broken(msg)
+            raise PurlinMismatchError(msg, op=op, rank=rank, peer=peer)
+        what = "count word" if kind == 0 else "done word"
+        msg = (f"{op}: rank {rank} waited {self.comm.config.timeout_s:g}s for rank {peer}'s {what} of MoE call "
+               f"#{epoch} (saw #{seen}). Rank {peer} skipped this call or is stuck; the communicator is now broken")
+        self.broken = msg
+        self.comm._engine.mark_broken(msg)
+        raise PurlinTimeoutError(msg, op=op, rank=rank, missing=[peer])
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.check()
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
+        self.check()
+        op = "moe_dispatch"
+        world, local = self.world, num_experts // self.world
+        t_n, k_n = ids.shape
+        hidden = x.shape[1]
+        if t_n > self.max_tokens:
+            raise PurlinValueError(f"{op}: x has {t_n} tokens, more than moe.max_tokens_per_rank="
+                                   f"{self.max_tokens} (the CUDA engine's MoE region is sized by it)")
+        if k_n > 32:
+            raise PurlinValueError(f"{op}: topk_ids has {k_n} columns; the CUDA engine supports top-k <= 32")
+        if num_experts > MAX_EXPERTS:
+            raise PurlinValueError(f"{op}: num_experts={num_experts}; the CUDA engine supports at most {MAX_EXPERTS}")
+        elem = 1 if quant == "fp8" else x.element_size()
+        payload_bytes = hidden * elem
+        if (hidden * x.element_size()) % 16 or payload_bytes % 16:
+            raise PurlinValueError(f"{op}: x rows of {hidden} elements are not a multiple of 16 bytes "
+                                   f"({'fp8' if quant == 'fp8' else x.dtype}); the CUDA engine moves 16-byte vectors")
+        r = route(ids, num_experts, world)
+        cap, index, rows_exact = capacity, None, None
+        if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
+            exchange_header(self.comm, op, (num_experts, k_n, hidden, _DTYPE_CODE[x.dtype], int(quant == "fp8"),
+                                            capacity or 0), t_n)
+            matrix = self.comm.all_gather(r.counts).view(world, num_experts).cpu()
+            if capacity is not None:
+                err = overflow(_PlanLike(capacity, local), matrix)
+                if err is not None:
+                    raise err
+            else:
+                mine = matrix[:, self.rank * local:(self.rank + 1) * local]
+                cap = max(1, int(mine.max()) if mine.numel() else 1)
+                rows_exact = mine.sum(0)
+        elif cap is None:
+            cap = self.max_tokens
+        layout = self._region(k_n, payload_bytes, hidden * x.element_size(), capturing)
+        payload, scales = quantize_fp8(x) if quant == "fp8" else (x, None)
+        if payload.data_ptr() % 16:  # a view at an odd offset: the kernel moves 16-byte vectors
+            payload = payload.clone()
+        dev = self.device
+        rows = local * world * cap
+        out_x = torch.empty(rows, hidden, dtype=payload.dtype, device=dev)
+        out_expert = torch.empty(rows, dtype=torch.int32, device=dev)
+        out_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        out_slot = torch.empty(rows, dtype=torch.int64, device=dev)
+        out_counts = torch.empty(local, dtype=torch.int32, device=dev)
+        out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if scales is not None else None
+        send_pos = send_positions(r.to_rank)
+        bad = ((ids < -1) | (ids >= num_experts)).sum().reshape(1) if capturing else None
+        le, j = r.le.contiguous(), r.j.contiguous()
+        p = self._params(layout)
+        p.local, p.topk, p.tokens, p.capacity = local, k_n, t_n, cap
+        p.payload_bytes, p.hdr_bytes = payload_bytes, header_bytes(k_n)
+        p.slot_bytes = p.hdr_bytes + payload_bytes
+        p.x, p.scales = payload.data_ptr(), (scales.data_ptr() if scales is not None else None)
+        p.dst, p.le, p.j, p.send_pos = r.dst.data_ptr(), le.data_ptr(), j.data_ptr(), send_pos.data_ptr()
+        p.counts, p.tokens_to = r.counts.data_ptr(), r.tokens_to.data_ptr()
+        p.bad_ids = bad.data_ptr() if bad is not None else None
+        p.out_x, p.out_expert, p.out_src, p.out_slot = (out_x.data_ptr(), out_expert.data_ptr(), out_src.data_ptr(),
+                                                        out_slot.data_ptr())
+        p.out_counts = out_counts.data_ptr()
+        p.out_scales = out_scales.data_ptr() if out_scales is not None else None
+        if rows_exact is not None:  # exact rows: the valid rows of each group, known from the counts
+            index = torch.cat([e * world * cap + torch.arange(int(n), dtype=torch.int64)
+                               for e, n in enumerate(rows_exact.tolist())]).to(dev)
+        self._launch(self.lib.moe_dispatch, p, op)
+        state = _State(r.dst, out_src, out_slot, rows, cap, index)
+        d_x, d_expert, d_src, d_slot, d_scales = out_x, out_expert, out_src, out_slot, out_scales
+        if index is not None:
+            d_x, d_expert, d_src, d_slot = out_x[index], out_expert[index], out_src[index], out_slot[index]
+            d_scales = out_scales[index] if out_scales is not None else None
+        return MoEDispatch(
+            x=d_x, expert=d_expert, counts=out_counts, scales=d_scales, src_rank=d_src, src_slot=d_slot, tokens=t_n,
+            topk=k_n, hidden=hidden, num_experts=num_experts, capacity=None if rows_exact is not None else cap,
+            weights=ws.to(torch.float32).contiguous(), valid=r.valid, _engine=state, _owner=id(self.comm))
+
+    def combine(self, expert_out, d: MoEDispatch) -> torch.Tensor:
+        self.check()
+        op = "moe_combine"
+        st: _State = d._engine
+        layout = self.layout
+        ret_bytes = d.hidden * expert_out.element_size()
+        if ret_bytes % 16:
+            raise PurlinValueError(f"{op}: expert_out rows of {ret_bytes} bytes are not a multiple of 16 bytes")
+        if not layout.fits(d.topk, 0, ret_bytes):
+            raise PurlinValueError(f"{op}: expert_out rows of {ret_bytes} bytes ({expert_out.dtype}) do not fit the "
+                                   f"MoE region made by the first call ({layout}); combine in the dispatched x's dtype "
+                                   "or narrower")
+        full = expert_out if expert_out.data_ptr() % 16 == 0 else expert_out.clone()
+        if st.index is not None:
+            full = torch.empty(st.rows, d.hidden, dtype=expert_out.dtype, device=self.device)
+            full[st.index] = expert_out
+        y = torch.empty(d.tokens, d.hidden, dtype=expert_out.dtype, device=self.device)
+        p = self._params(layout)
+        p.local, p.topk, p.tokens, p.capacity = d.num_experts // self.world, d.topk, d.tokens, st.cap
+        p.ret_bytes, p.dtype = ret_bytes, _CODES[expert_out.dtype]
+        p.expert_out, p.row_src, p.row_slot = full.data_ptr(), st.src.data_ptr(), st.slot.data_ptr()
+        p.weights, p.dst, p.y = d.weights.data_ptr(), st.dst.data_ptr(), y.data_ptr()
+        self._launch(self.lib.moe_combine, p, op)
+        return y
+
+    def close(self) -> None:
+        if self._own_region is not None:
+            self._own_region.close()
+        self._own_region = self.region = None
+
+
+class _PlanLike:
+    """The two fields of a MoEPlan that ``overflow`` reads."""
+
+    def __init__(self, capacity: int, local: int):
+        self.capacity, self.local_experts = capacity, local

@@ -1,0 +1,88 @@
+"""The MoE region's layout: ONE description of every MoE offset (the kernels compute none).
+
+A rank's MoE region is separate from the collectives' workspace (peers may still read that
+staging) and is made on the first CUDA MoE call (collective; loopback: one allocation for every
+virtual rank). Per rank, in bytes (M = moe.max_tokens_per_rank, W ranks, K top-k, L = E/W):
+
+* ``state`` (128): my epochs, arrival and exit counters, fatal word (native/moe/moe_kernel.cuh).
+* ``done[W]`` (8 each): combine done words, written by every consumer every call.
+* ``count[2 parities][W producers]``: ``align16(24 + 4 * max_local)`` each: [epoch, tokens, meta,
+  rows per local expert]; written by every producer every call (also when it sends nothing).
+* ``recv[2][W][M]`` slots of ``hdr + payload``: ``hdr = align16(4 * (2K + 2))`` (token index, local
+  expert and j per k, fp8 scale), ``payload = H * element size``. Each token arrives once per rank.
+* ``ret[2][M * K]`` rows of ``H * element size``: the source's return slots for the combine.
+
+Both halves (parity = epoch & 1) make back-to-back dispatches (or combines) safe with no
+acknowledgement: a producer writes parity p again two calls later, after it saw, in the call
+between, its consumer's word of that call, which the consumer writes only after it finished the
+call that read parity p. Footprint: ``2*W*M*(hdr + H*e_d) + 2*M*K*H*e_x`` plus a few KiB; at
+M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATE_BYTES = 128
+MAX_EXPERTS = 4096  # native.h PURLIN_MOE_MAX_EXPERTS
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def header_bytes(topk: int) -> int:
+    return _align(4 * (2 * topk + 2), 16)
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    world: int
+    max_tokens: int  # M: receive slots per producer and return rows per k
+    topk: int  # K the region was sized for (calls may use fewer)
+    payload_bytes: int  # largest dispatch row (H * element size)
+    ret_bytes: int  # largest combine row
+
+    @property
+    def state_off(self) -> int:
+        return 0
+
+    @property
+    def done_off(self) -> int:
+        return STATE_BYTES
+
+    @property
+    def count_bytes(self) -> int:
+        return _align(24 + 4 * (MAX_EXPERTS // self.world), 16)
+
+    @property
+    def count_off(self) -> int:
+        return _align(self.done_off + 8 * self.world, 128)
+
+    @property
+    def recv_off(self) -> int:
+        return _align(self.count_off + 2 * self.world * self.count_bytes, 4096)
+
+    @property
+    def recv_parity_bytes(self) -> int:
+        return self.world * self.max_tokens * (header_bytes(self.topk) + _align(self.payload_bytes, 16))
+
+    @property
+    def ret_off(self) -> int:
+        return _align(self.recv_off + 2 * self.recv_parity_bytes, 4096)
+
+    @property
+    def ret_parity_bytes(self) -> int:
+        return self.max_tokens * self.topk * _align(self.ret_bytes, 16)
+
+    @property
+    def rank_bytes(self) -> int:
+        return _align(self.ret_off + 2 * self.ret_parity_bytes, 4096)
+
+    def fits(self, topk: int, payload_bytes: int, ret_bytes: int | None = None) -> bool:
+        """Whether a call with these rows fits (fewer top-k, smaller rows: yes)."""
+        recv = self.world * self.max_tokens * (header_bytes(topk) + payload_bytes)
+        ok = topk <= self.topk and recv <= self.recv_parity_bytes
+        if ret_bytes is not None:
+            ok = ok and self.max_tokens * topk * ret_bytes <= self.ret_parity_bytes
+        return ok

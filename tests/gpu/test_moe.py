@@ -1,0 +1,144 @@
+"""MoE dispatch and combine on the CUDA engine (loopback virtual ranks on one GPU) against the
+plain torch reference: eager exact and capacity layouts, FP8 payloads, CUDA graphs replayed with
+new routings (no re-capture), a capacity overflow recorded on the device and raised at
+synchronize(), bad arguments. Outputs are poisoned (graph buffers refilled with NaN) before runs."""
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+import purlin_sglang as ps
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "moe"))
+from _moe_cases import FP8, check_results, expert_fn, make_case, run_rank  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CFG = {"staging_bytes": 1 << 20, "timeout_s": 10, "moe": {"max_tokens_per_rank": 16}}
+H = 64
+
+
+def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):
+    return ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype),
+                          device="cuda", config=CFG)
+
+
+def test_bad_arguments_and_limits():
+    def fn(comm):
+        dev = comm.device
+        x = torch.randn(4, H, device=dev)
+        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+        w = torch.ones(4, 2, device=dev)
+        with pytest.raises(ps.PurlinValueError, match="topk_ids"):
+            comm.moe_dispatch(x, ids + 9, w, num_experts=4)
+        with pytest.raises(ps.PurlinValueError, match="max_tokens_per_rank"):
+            comm.moe_dispatch(torch.randn(17, H, device=dev), torch.zeros(17, 2, dtype=torch.int64, device=dev),
+                              torch.ones(17, 2, device=dev), num_experts=4)
+        with pytest.raises(ps.PurlinValueError, match="16 bytes"):
+            comm.moe_dispatch(torch.randn(4, 3, device=dev), ids, w, num_experts=4)
+        d = comm.moe_dispatch(x, ids, w, num_experts=4)
+        y = comm.moe_combine(d.x.clone(), d)
+        return torch.equal(y.cpu(), (x * 2).cpu()), comm.moe_hbm_bytes
+
+    res = ps.run_virtual(2, fn, device="cuda", config=CFG)
+    assert all(r[0] and r[1] > 0 for r in res)
+
+
+@pytest.mark.parametrize("world,experts,topk", [(2, 4, 2), (4, 8, 3), (8, 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_eager_exact_random_routings(world, experts, topk, dtype):
+    for seed in range(2):
+        xs, ids, ws = make_case(world, experts, topk, H, dtype, seed * 5 + world, max_tokens=12)
+        check_results(_run(world, xs, ids, ws, experts), xs, ids, ws, experts)
+
+
+@pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])
+def test_eager_capacity_layout_and_fp8(qdtype):
+    xs, ids, ws = make_case(4, 8, 2, H, torch.bfloat16, 21, max_tokens=12)
+    cap = max(1, max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(8)))
+    check_results(_run(4, xs, ids, ws, 8, capacity=cap, qdtype=qdtype), xs, ids, ws, 8, capacity=cap, dtype=qdtype)
+    check_results(_run(4, xs, ids, ws, 8, qdtype=qdtype), xs, ids, ws, 8, dtype=qdtype)
+
+
+def test_cpu_and_cuda_engines_agree_bitwise():
+    xs, ids, ws = make_case(4, 8, 2, H, torch.bfloat16, 33, max_tokens=12)
+    gpu = _run(4, xs, ids, ws, 8)
+    cpu = ps.run_virtual(4, lambda c: run_rank(c, xs, ids, ws, 8), config={"staging_bytes": 1 << 16})
+    for g, c in zip(gpu, cpu):
+        assert torch.equal(g["y"].view(torch.int16), c["y"].view(torch.int16))
+
+
+def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=None):
+    """Each rank: warm up eagerly, capture dispatch -> experts -> combine once, replay once per routing
+    (new x, ids and weights copied into the static inputs; outputs poisoned first)."""
+    barrier = threading.Barrier(world)
+    one_capture = threading.Lock()
+
+    def fn(comm):
+        r, dev = comm.rank, comm.device
+        xs, ids, ws = routings[0]
+        sx, sid, sw = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+
+        def step():
+            d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=cap, dtype=qdtype)
+            out = expert_fn(d.x, d.expert, d.scales, sx.dtype)
+            return d, out, comm.moe_combine(out, d)
+
+        step()
+        comm.synchronize()
+        barrier.wait()
+        g = torch.cuda.CUDAGraph()
+        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
+                                                           capture_error_mode="thread_local"):
+            d, out, y = step()
+        barrier.wait()
+        results, errors = [], []
+        for i, (xs, ids, ws) in enumerate(routings):
+            sx.copy_(xs[r])
+            sid.copy_(ids[r])
+            sw.copy_(ws[r])
+            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
+                t.view(torch.uint8).fill_(0xFF)  # poison: every output the graph must write
+            g.replay()
+            try:
+                comm.synchronize()
+            except ps.PurlinCapacityError as e:
+                errors.append((i, e.rank, e.expert, e.count))
+            results.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
+                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank,
+                src_slot=d.src_slot, out=out, y=y).items()})
+            barrier.wait()
+        return results, errors
+
+    return ps.run_virtual(world, fn, device="cuda", config=CFG)
+
+
+@pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])
+def test_graph_replay_with_new_routings(qdtype):
+    world, experts, topk, cap = 4, 8, 3, 16
+    routings = [make_case(world, experts, topk, H, torch.bfloat16, 100 + s, max_tokens=10, fixed_tokens=True)
+                for s in range(4)]
+    res = _graph_world(world, experts, topk, cap, routings, qdtype)
+    for i, (xs, ids, ws) in enumerate(routings):
+        check_results([res[r][0][i] for r in range(world)], xs, ids, ws, experts, capacity=cap, dtype=qdtype)
+    assert all(not r[1] for r in res)
+
+
+def test_graph_capacity_overflow_is_recorded_and_raised():
+    world, experts, cap = 2, 4, 3
+    g = torch.Generator().manual_seed(5)
+
+    def routing(rank1_ids):
+        xs = [torch.randn(2, H, generator=g) for _ in range(world)]
+        ids = [torch.tensor([[0, 2], [1, 3]]), torch.tensor(rank1_ids)]
+        ws = [torch.rand(2, 2, generator=g) for _ in range(world)]
+        return xs, ids, ws
+
+    good, over, again = routing([[0, 2], [1, 3]]), routing([[3, 3], [3, 3]]), routing([[2, -1], [3, 0]])
+    res = _graph_world(world, experts, 2, cap, [good, over, again])
+    assert res[0][1] == [] and res[1][1] == [(1, 1, 3, 4)]  # replay 1, source rank 1, expert 3, 4 rows
+    for i in (0, 2):  # correct before, and after: the communicator stays usable
+        xs, ids, ws = (good, over, again)[i]
+        check_results([res[r][0][i] for r in range(world)], xs, ids, ws, experts, capacity=cap)
