@@ -94,6 +94,27 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
     return comm
 
 
+_warned: set = set()
+
+
+def _warn_if_prefill_exceeds(max_tokens: int, ep_size: int) -> None:
+    """Say once, at start-up, when SGLang's largest prefill batch would give shards over the limit
+    (such a batch raises at its dispatch)."""
+    try:
+        from sglang.srt.runtime_context import max_prefill_buffer_tokens
+
+        largest = max_prefill_buffer_tokens()
+    except Exception:  # noqa: BLE001 - not published (tests, tools): nothing to compare
+        return
+    shard = -(-largest // ep_size) if largest else 0
+    if shard > max_tokens and (largest, max_tokens) not in _warned:
+        _warned.add((largest, max_tokens))
+        logger.warning("purlin_sglang: prefill batches of up to %d tokens give shards of %d tokens per rank, more "
+                       "than moe.max_tokens_per_rank %d: such a batch raises at its MoE dispatch; raise "
+                       "moe.max_tokens_per_rank to %d or lower --chunked-prefill-size", largest, shard, max_tokens,
+                       shard)
+
+
 @dataclass
 class _Pending:
     """One dispatch's state until its combine."""
@@ -132,6 +153,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.wire_dtype = wire_dtype(config)
         self.force_fixed_rows = fixed_rows
         self._pending: Optional[_Pending] = None
+        _warn_if_prefill_exceeds(config.max_tokens_per_rank, self.moe_ep_size)
 
     def fixed_rows(self, device: torch.device) -> bool:
         return self.force_fixed_rows if self.force_fixed_rows is not None else device.type == "cuda"

@@ -149,9 +149,35 @@ def purlin_layer(rank: int, world: int, config_path: str, fp8_config_path: str, 
     x, ids, w = routing(16, 4, False)
     out["after refusal"] = _forward(layer, x, ids, w)
     out["comm"] = repr(layer.dispatcher.comm)
+    out["prefill warning"] = _prefill_warning(world)
     with plugin.activate("purlin", none_config_path, nccl_free=True):  # moe.dispatcher none: SGLang's own
         out["dispatcher none"] = type(_layer(rank, world).dispatcher).__name__
     from sglang.srt.distributed.parallel_state import get_moe_ep_group
 
     get_moe_ep_group().destroy()  # frees its purlin communicator (the MoE dispatcher's; tp is the same group)
     return out
+
+
+def _prefill_warning(world: int) -> list:
+    """The start-up warning when SGLang's largest prefill batch (here made 1000 tokens) gives shards over
+    moe.max_tokens_per_rank (128), said once."""
+    import logging
+    from unittest import mock
+
+    import sglang.srt.runtime_context as rc
+
+    from purlin_sglang.sglang import moe_dispatcher
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("purlin_sglang.sglang.moe_dispatcher")
+    log.addHandler(Keep(level=logging.WARNING))
+    with mock.patch.object(rc, "max_prefill_buffer_tokens", lambda: 1000):
+        moe_dispatcher._warn_if_prefill_exceeds(128, world)
+        moe_dispatcher._warn_if_prefill_exceeds(128, world)
+        moe_dispatcher._warn_if_prefill_exceeds(1000, world)  # within the limit: nothing
+    return lines

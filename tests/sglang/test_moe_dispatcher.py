@@ -64,6 +64,8 @@ def test_fused_moe_through_purlin_matches_one_rank(tmp_path, reference):
         assert f["after refusal"].shape == (16, W.H)
         assert "engine=cpu" in f["comm"], f
         assert f["dispatcher none"] == "StandardDispatcher", f
+        assert len(f["prefill warning"]) == 1 and "shards of 250 tokens per rank, more than " \
+            "moe.max_tokens_per_rank 128" in f["prefill warning"][0], f["prefill warning"]
     # every rank computed the same layer output after the refusal
     assert all(torch.equal(f["after refusal"], got[0]["after refusal"]) for f in got)
 
