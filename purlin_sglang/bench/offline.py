@@ -268,6 +268,8 @@ def preflight(plan: Plan) -> Optional[str]:
         return ("bench offline: SGLang's offline benchmark serves the model and needs a CUDA GPU; torch sees "
                 "none here (--dry-run still shows what would run)")
     tp, n = plan.tp, torch.cuda.device_count()
+    if plan.nccl_free and n < 1:
+        return f"bench offline: --nccl-free needs one GPU for its {tp} ranks; torch sees {n}"
     if tp > n and not plan.nccl_free:
         return (f"bench offline: --tp-size {tp} needs {tp} GPUs; torch sees {n} (--nccl-free runs several ranks "
                 "on one GPU, without NCCL)")

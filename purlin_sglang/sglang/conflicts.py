@@ -93,7 +93,7 @@ def _published_comm() -> Optional[Any]:
         return None
 
 
-def switch_off() -> list[str]:
+def switch_off(cause: str = "--comm-backend purlin") -> list[str]:
     """Switch every path of :data:`PATHS` off in this process, verify, log; return the names switched now.
 
     Idempotent and cheap; a path that is already off is left alone and not logged.
@@ -139,7 +139,7 @@ def switch_off() -> list[str]:
     for p in switched:
         if p.name not in _announced:
             _announced.add(p.name)
-            logger.info("purlin_sglang: %s switched off (--comm-backend purlin; %s)", p.name, p.why)
+            logger.info("purlin_sglang: %s switched off (%s; %s)", p.name, cause, p.why)
     if comm is not None and getattr(comm, "enable_symm_mem", False) and "symm_mem" not in _announced:
         _announced.add("symm_mem")
         logger.warning("purlin_sglang: --enable-symm-mem is on: GroupCoordinator.all_reduce sends every GPU "

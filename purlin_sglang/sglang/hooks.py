@@ -81,7 +81,7 @@ def coordinator_init(original, self, *args, **kwargs):
         self.purlin_comm = None
         return original(self, *args, **kwargs)
     plugin.verify_hooks(plugin.NCCL_FREE_TARGETS if settings.backend != "purlin" else plugin.WORKER_TARGETS)
-    conflicts.switch_off()
+    conflicts.switch_off("--comm-backend purlin" if settings.backend == "purlin" else "--purlin-nccl-free")
     params = inspect.signature(original).parameters
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     off = _OFF_WITH_PURLIN + (("use_pynccl",) if settings.nccl_free else ())

@@ -333,8 +333,26 @@ def test_preflight_names_the_fix(monkeypatch, tmp_path):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         assert "--tp-size 2 needs 2 GPUs; torch sees 1" in offline.preflight(plan)
+        nf = offline.resolve(parse(["--model-path", "m", "--tp-size", "4", "--nccl-free", "--out", str(tmp_path)]))
+        assert offline.preflight(nf) is None  # --nccl-free: ranks share the one GPU
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        assert "--nccl-free needs one GPU for its 4 ranks; torch sees 0" in offline.preflight(nf)
     plan.module = FAKE
     assert offline.preflight(plan) is None
+
+
+def test_nccl_free_reaches_every_child_and_the_record(tmp_path):
+    plan = offline.resolve(parse(["--model-path", "m", "--tp", "2", "--nccl-free", "--compare", "nccl,purlin"]))
+    assert plan.nccl_free and plan.tp == 2
+    for b in plan.backends:
+        cmd = offline.child_command(plan, b, "/d.json", "/r.jsonl")
+        assert cmd.count("--purlin-nccl-free") == 1 and cmd[cmd.index("--comm-backend") + 1] == b
+    assert "--purlin-nccl-free" not in offline.child_command(
+        offline.resolve(parse(["--model-path", "m", "--tp", "2"])), "nccl", "/d.json", "/r.jsonl")
+    cfg = write_yaml(tmp_path / "s.yaml", "model-path: /m\npurlin-nccl-free: true\n")
+    assert offline.resolve(parse(["--config", cfg])).nccl_free  # also from an SGLang config file
+    with pytest.raises(offline.OfflineError, match="--purlin-nccl-free"):
+        offline.resolve(parse(["--model-path", "m", "--", "--purlin-nccl-free"]))  # owned: use --nccl-free
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="needs sglang")

@@ -72,7 +72,11 @@ def test_competing_paths_switched_off_with_one_line_each(tmp_path):
             assert sum(m.startswith(f"purlin_sglang: {name} switched off") for m in info) == 1, (name, info)
         warn = [m for lvl, m in f["lines"] if lvl == "WARNING"]
         assert len(warn) == 1 and "--enable-symm-mem" in warn[0], f["lines"]
-        assert f["lines"] == f["after_first"], "the second group must not log again"
+        groups = [m for _, m in f["lines"] if m.startswith("purlin_sglang: group ")]
+        assert len(groups) == 2 and all("2 ranks on cpu through purlin" in m for m in groups), groups
+        switch = [x for x in f["lines"] if not x[1].startswith("purlin_sglang: group ")]
+        assert switch == [x for x in f["after_first"] if not x[1].startswith("purlin_sglang: group ")], \
+            "the second group must not log the switch-off again"
 
 
 def test_competing_paths_untouched_with_nccl(tmp_path):
