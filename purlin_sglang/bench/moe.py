@@ -255,6 +255,7 @@ def make_rows(args, tokens: int, dtype_name: str, run: dict, floor: dict | None)
             if floor is not None:
                 row["ceiling_us"] = 2 * nbytes / (floor["copy_GBps"] * 1e9) * 1e6
                 row["of_ceiling"] = row["ceiling_us"] / row["time_us_median"]
+                row["over_ceiling_us"] = row["time_us_median"] - row["ceiling_us"]  # the fixed overhead, roughly
         rows.append(row)
     return rows
 

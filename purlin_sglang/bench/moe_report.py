@@ -11,7 +11,7 @@ def format_table(rows: list[dict], floor: dict | None) -> str:
     head = (f"{'impl':<10}{'op':<9}{'dtype':<6}{'mode':<6}{'tokens':>7}{'rows':>8}{'bytes':>9}{'median us':>11}"
             f"{'p10':>9}{'p90':>9}{'GB/s':>8}{'correct':>8}")
     if floor:
-        head += f"{'ceil us':>9}{'of ceil':>8}"
+        head += f"{'ceil us':>9}{'of ceil':>8}{'+us':>8}"
     head += f"{'HBM/rank':>10}"
     lines = [head]
     for r in rows:
@@ -21,11 +21,12 @@ def format_table(rows: list[dict], floor: dict | None) -> str:
                 f"{r['time_us_median']:>11.1f}{r['time_us_p10']:>9.1f}{r['time_us_p90']:>9.1f}{gbps}"
                 f"{'yes' if r['correct'] else 'NO':>8}")
         if floor:
-            line += (f"{r['ceiling_us']:>9.1f}{r['of_ceiling']:>8.2f}" if "ceiling_us" in r else f"{'-':>9}{'-':>8}")
+            line += (f"{r['ceiling_us']:>9.1f}{r['of_ceiling']:>8.2f}{r['over_ceiling_us']:>8.1f}" if "ceiling_us" in r
+                     else f"{'-':>9}{'-':>8}{'-':>8}")
         line += f"{human_bytes(r['hbm_bytes']) if r['hbm_bytes'] else '-':>10}"
         lines.append(line)
     lines.append("(times in us, slowest rank per iteration; bytes: payload moved, summed over ranks; rows: expert "
-                 "rows on the busiest rank; ceiling: 2 x bytes / device copy bandwidth)")
+                 "rows on the busiest rank; ceiling: 2 x bytes / device copy bandwidth; +us: median - ceiling)")
     if floor:
         lines.append(f"copy bandwidth {floor['copy_GBps']:.0f} GB/s ({floor['copy_measured']})")
     return "\n".join(lines)

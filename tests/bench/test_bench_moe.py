@@ -76,3 +76,27 @@ def test_wire_bytes_and_capacity_fit():
     d8, _ = moe_check.wire_bytes(ids, 8, 2, 10, torch.float8_e4m3fn)
     assert d8 == 5 * (10 + 4)
     assert moe_check.max_pair_load(ids, 8) == 2  # rank 0 sends expert 0 two rows
+
+
+def test_rows_against_a_copy_ceiling():
+    """The GPU rows' arithmetic (a floor as bench/floor.py measures it), from made-up samples."""
+    import argparse
+
+    args = argparse.Namespace(world=2, experts=4, hidden=8, topk=2, mode="graph")
+    ids = [torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([[1, 2]], dtype=torch.int32)]
+    inputs = [moe_check.Inputs(torch.zeros(1, 8), i, torch.ones(1, 2)) for i in ids]
+    rank = {"ok": True, "pair_ok": True, "err": 0.0, "ratio": 0.5, "rows": 4, "hbm": 1 << 20, "moe_hbm": 1 << 19,
+            "workspace": 2 << 20, "graph_calls": 10, "y": None, "dispatch": [1e-5, 2e-5], "combine": [3e-5, 1e-5],
+            "pair": [4e-5, 4e-5]}
+    slow = {**rank, "dispatch": [2e-5, 1e-5]}
+    rows = moe.make_rows(args, 1, "bf16", {"inputs": inputs, "capacity": 16, "ranks": [rank, slow]},
+                         {"copy_GBps": 1.0})
+    by_op = {r["op"]: r for r in rows}
+    # every token goes to both ranks (experts 0,1 on rank 0; 2,3 on rank 1): 4 rows of 8 bf16
+    assert by_op["dispatch"]["bytes"] == 4 * 16 and by_op["combine"]["bytes"] == 4 * 16
+    assert by_op["dispatch"]["time_us_median"] == pytest.approx(20.0)  # slowest rank per iteration: 20, 20
+    assert by_op["dispatch"]["ceiling_us"] == pytest.approx(2 * 64 / 1e9 * 1e6)
+    assert by_op["pair"]["of_ceiling"] == pytest.approx(by_op["pair"]["ceiling_us"] / 40.0)
+    assert by_op["pair"]["over_ceiling_us"] == pytest.approx(40.0 - by_op["pair"]["ceiling_us"])
+    assert by_op["pair"]["moe_hbm_bytes"] == 1 << 19 and by_op["pair"]["capacity"] == 16
+    assert by_op["pair"]["bitwise_vs_reference"] is None  # no eager results to compare
