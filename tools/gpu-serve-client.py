@@ -7,7 +7,9 @@
 ``--prompts`` greedy prompts (temperature 0, ``ignore_eos``: every prompt gives exactly ``--output-tokens``
 tokens) to ``/generate`` in one batch once untimed (warm-up), then ``--repeats`` times timed (output tokens
 per second of each batch; the median is the run's throughput), checks that every repeat gave the same
-tokens, asks ``/v1/chat/completions`` once, and copies the plugin's lines (``purlin``) from the server log.
+tokens, sends the batch once more asking for each output token's logprob and the top-2 logprobs (a
+stronger check than the tokens: with SGLang's dummy weights the greedy continuations are nearly constant;
+a failure there is recorded, not fatal), asks ``/v1/chat/completions`` once, and copies the plugin's lines (``purlin``) from the server log.
 The prompts are random words from a seeded generator (the words of purlin's offline prompts), so every run
 with the same ``--seed`` sends the same text. No downloads; standard library only.
 
@@ -78,6 +80,21 @@ def generate(url: str, texts: list[str], tokens: int, timeout: float) -> tuple[l
     return ids, [o.get("text", "") for o in out], secs
 
 
+def logprobs(url: str, texts: list[str], tokens: int, timeout: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Per prompt: each output token's logprob, and the gap between the best and second-best logprob."""
+    body = {"text": texts, "sampling_params": {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2}
+    out = post(f"{url}/generate", body, timeout)
+    out = out if isinstance(out, list) else [out]
+    lps, gaps = [], []
+    for o in out:
+        mi = o["meta_info"]
+        lps.append([float(x[0]) for x in mi["output_token_logprobs"]])
+        gaps.append([round(float(t[0][0]) - float(t[1][0]), 6) for t in mi.get("output_top_logprobs") or []
+                     if t and len(t) >= 2])
+    return lps, gaps
+
+
 def plugin_lines(log: Path) -> list[str]:
     if not log.exists():
         return []
@@ -118,6 +135,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         rec["repeats_identical"] = all(r[0] == ids for r in runs) and ids0 == ids
         rec["distinct_outputs"] = len({tuple(x) for x in ids})
         rec["all_lengths_ok"] = all(len(x) == a.output_tokens for x in ids)
+        try:
+            rec["logprobs"], gaps = logprobs(url, texts, a.output_tokens, a.timeout)
+            flat = [g for row in gaps for g in row]
+            rec["top2_gap_min"] = min(flat) if flat else None
+            rec["top2_gap_median"] = statistics.median(flat) if flat else None
+        except (OSError, urllib.error.URLError, KeyError, ValueError, TypeError, IndexError) as e:
+            rec["logprob_error"] = f"{type(e).__name__}: {e}"[:500]
         chat = post(f"{url}/v1/chat/completions", {
             "model": "default", "messages": [{"role": "user", "content": texts[0][:200]}],
             "max_tokens": 16, "temperature": 0.0}, a.timeout)
@@ -149,7 +173,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
         ref = r.get("reference")
         row = {k: r.get(k) for k in ("name", "backend", "tp", "model", "cuda_graph", "nccl_free", "prompts",
                                      "output_tokens", "output_throughput_tok_s", "startup_s", "distinct_outputs",
-                                     "repeats_identical", "ok", "error", "command", "chat", "plugin_log")}
+                                     "repeats_identical", "top2_gap_min", "top2_gap_median", "logprob_error", "ok",
+                                     "error", "command", "chat", "plugin_log")}
         row["tokens_match_reference"] = None
         row["reference"] = ref
         if ref:
@@ -164,6 +189,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
                     row["first_mismatch"] = next(
                         (i, x[:8], y[:8]) for i, (x, y) in enumerate(zip(base["tokens"], r["tokens"])) if x != y) \
                         if any(x != y for x, y in zip(base["tokens"], r["tokens"])) else "lengths differ"
+                la, lb = base.get("logprobs"), r.get("logprobs")
+                if la and lb and [len(x) for x in la] == [len(x) for x in lb]:
+                    diffs = [abs(x - y) for xa, xb in zip(la, lb) for x, y in zip(xa, xb)]
+                    row["logprobs_identical"] = la == lb
+                    row["logprobs_max_abs_diff"] = max(diffs) if diffs else 0.0
                 t0, t1 = base.get("output_throughput_tok_s"), r.get("output_throughput_tok_s")
                 if t0 and t1:
                     row["throughput_ratio_to_reference"] = round(t1 / t0, 4)

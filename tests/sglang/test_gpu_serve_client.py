@@ -25,8 +25,15 @@ def fake_server(shift: int):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/generate":
                 n = body["sampling_params"]["max_new_tokens"]
-                out = [{"text": t[:10], "output_ids": [(len(t) + k + (shift if i == 1 else 0)) % 700 for k in range(n)],
-                        "meta_info": {}} for i, t in enumerate(body["text"])]
+                out = []
+                for i, t in enumerate(body["text"]):
+                    ids = [(len(t) + k + (shift if i == 1 else 0)) % 700 for k in range(n)]
+                    meta = {}
+                    if body.get("return_logprob"):
+                        lp = [-0.5 - 0.01 * k - (0.25 if shift and i == 1 else 0.0) for k in range(n)]
+                        meta = {"output_token_logprobs": [[v, x, None] for v, x in zip(lp, ids)],
+                                "output_top_logprobs": [[[v, x, None], [v - 1.5, x + 1, None]] for v, x in zip(lp, ids)]}
+                    out.append({"text": t[:10], "output_ids": ids, "meta_info": meta})
             else:
                 out = {"choices": [{"message": {"content": "hi"}, "finish_reason": "length"}],
                        "usage": {"completion_tokens": 16}}
@@ -67,6 +74,9 @@ def test_run_records_and_compare(tmp_path):
     assert rows["same"]["tokens_match_reference"] is True and rows["same"]["prompts_matching"] == 5
     assert rows["other"]["tokens_match_reference"] is False and rows["other"]["prompts_matching"] == 4
     assert rows["other"]["first_mismatch"][0] == 1
+    assert rows["same"]["logprobs_identical"] is True and rows["same"]["logprobs_max_abs_diff"] == 0
+    assert rows["other"]["logprobs_identical"] is False and abs(rows["other"]["logprobs_max_abs_diff"] - 0.25) < 1e-9
+    assert rows["ref"]["top2_gap_min"] == 1.5 and rows["ref"]["logprob_error"] is None
 
 
 def test_server_that_never_gets_ready_is_a_failed_run(tmp_path):
