@@ -208,6 +208,11 @@ class Communicator:
             # rank's own grid must be co-resident. Virtual ranks share one GPU at once.
             on_gpu = 1 if group is not None else world
             self._engine = CudaEngine(ws, rank, world, self.config.timeout_s, ranks_on_gpu=on_gpu)
+            from .engines.cuda_moe import CudaMoE
+
+            # Made now (a pinned allocation, an occupancy query), not inside a call: in loopback, host
+            # allocations while peers' kernels spin could stall. The MoE region itself comes later.
+            self._moe = CudaMoE(self)
         else:
             self._engine = CpuEngine(ws, rank, world, self.config.timeout_s)
         self._engine_packets = bool(getattr(self._engine, "packets", False))  # the planner may choose "packet"
@@ -318,7 +323,7 @@ class Communicator:
         from .moe.validate import check_dispatch
 
         quant = check_dispatch(x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
-                               self.device, check_values=not capturing)
+                               self.device, check_values=not cuda)  # CUDA checks the ids itself (eager only)
         if cuda:
             return self._moe_engine().dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
         from .engines import cpu_moe

@@ -19,11 +19,14 @@ _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
 
 
-def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int) -> list[int]:
+def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int, to_device=None, to_host=None) -> list[int]:
     """All-gather (values..., tokens) of every rank; raise PurlinValueError on every rank if the
-    ranks disagree on a value. Returns every rank's tokens."""
-    mine = torch.tensor(list(values) + [tokens], dtype=torch.int64, device=comm.device)
-    seen = comm.all_gather(mine).view(comm.world_size, -1).cpu()
+    ranks disagree on a value. Returns every rank's tokens. ``to_device`` / ``to_host``: how the
+    engine moves small int64 vectors between host and device (default: plain torch copies)."""
+    vals = list(values) + [tokens]
+    mine = to_device(vals) if to_device is not None else torch.tensor(vals, dtype=torch.int64, device=comm.device)
+    got = comm.all_gather(mine)
+    seen = (to_host(got) if to_host is not None else got.cpu()).view(comm.world_size, -1)
     for i, name in enumerate(_HEADER_FIELDS[: len(values)]):
         col = seen[:, i].tolist()
         if any(v != col[0] for v in col):

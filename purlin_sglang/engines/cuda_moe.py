@@ -37,9 +37,11 @@ from ..errors import (
 from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
 from ..moe.dispatch import MoEDispatch
 from ..moe.routing import quantize_fp8, route, send_positions
+from ..moe.validate import check_id_range
 from .cpu_moe import _DTYPE_CODE, exchange_header, overflow
 
-MAX_BLOCKS = 24  # per rank; every rank of a GPU co-resident with margin for the SNAC kernels of peers
+PIN_WORDS = MAX_EXPERTS + 16
+MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
 _CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
@@ -109,6 +111,11 @@ class CudaMoE:
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
         self._host_error = torch.zeros(16, dtype=torch.int64, pin_memory=True)
         self._err = self._host_error.numpy()
+        # Pinned staging of the eager count exchange (header and count matrix), moved by one-block copy
+        # kernels on the caller's stream: no pageable copy and no copy engine on the call path (a
+        # pageable copy there broke co-residency at 8 loopback ranks: docs/RESULTS.md, third session).
+        self._pin_up = torch.zeros(PIN_WORDS, dtype=torch.int64, pin_memory=True)
+        self._pin_down = torch.zeros(PIN_WORDS * self.world, dtype=torch.int64, pin_memory=True)
         self._stream = None
         self.broken: str | None = None
 
@@ -191,6 +198,26 @@ class CudaMoE:
         self.comm._engine.mark_broken(msg)
         raise PurlinTimeoutError(msg, op=op, rank=rank, missing=[peer])
 
+    # -- small host <-> device moves of the eager exchange ----------------------------------------------
+    def _to_device(self, values) -> torch.Tensor:
+        """int64 values on the device, copied from pinned memory by a one-block kernel (the previous
+        use of the staging ended: every eager exchange ends with a stream synchronize)."""
+        n = len(values)
+        self._pin_up.numpy()[:n] = values
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.lib.copy_atom(out.data_ptr(), self._pin_up.data_ptr(), n * 8, stream, max_blocks=1)
+        return out
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of the int64 device tensor ``t`` (a one-block kernel writes pinned memory; then
+        this stream is synchronized: blocks the host)."""
+        n = t.numel()
+        stream = torch.cuda.current_stream(self.device)
+        self.lib.copy_atom(self._pin_down.data_ptr(), t.data_ptr(), n * 8, stream.cuda_stream, max_blocks=1)
+        stream.synchronize()
+        return self._pin_down[:n].clone()
+
     def synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
@@ -215,12 +242,15 @@ class CudaMoE:
         if (hidden * x.element_size()) % 16 or payload_bytes % 16:
             raise PurlinValueError(f"{op}: x rows of {hidden} elements are not a multiple of 16 bytes "
                                    f"({'fp8' if quant == 'fp8' else x.dtype}); the CUDA engine moves 16-byte vectors")
+        if not capturing and ids.numel():  # ids in range: read through pinned memory (blocks the host)
+            lo, hi = self._to_host(torch.stack([ids.min(), ids.max()]).to(torch.int64)).tolist()
+            check_id_range(lo, hi, num_experts)
         r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
             exchange_header(self.comm, op, (num_experts, k_n, hidden, _DTYPE_CODE[x.dtype], int(quant == "fp8"),
-                                            capacity or 0), t_n)
-            matrix = self.comm.all_gather(r.counts).view(world, num_experts).cpu()
+                                            capacity or 0), t_n, self._to_device, self._to_host)
+            matrix = self._to_host(self.comm.all_gather(r.counts)).view(world, num_experts)
             if capacity is not None:
                 err = overflow(_PlanLike(capacity, local), matrix)
                 if err is not None:
@@ -259,8 +289,8 @@ class CudaMoE:
         p.out_counts = out_counts.data_ptr()
         p.out_scales = out_scales.data_ptr() if out_scales is not None else None
         if rows_exact is not None:  # exact rows: the valid rows of each group, known from the counts
-            index = torch.cat([e * world * cap + torch.arange(int(n), dtype=torch.int64)
-                               for e, n in enumerate(rows_exact.tolist())]).to(dev)
+            index = torch.cat([torch.arange(e * world * cap, e * world * cap + int(n), dtype=torch.int64, device=dev)
+                               for e, n in enumerate(rows_exact.tolist())])  # made on the device: no copy
         self._launch(self.lib.moe_dispatch, p, op)
         state = _State(r.dst, out_src, out_slot, rows, cap, index)
         d_x, d_expert, d_src, d_slot, d_scales = out_x, out_expert, out_src, out_slot, out_scales

@@ -57,11 +57,7 @@ def check_dispatch(x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, d
     if dtype is not None and dtype not in (FP8, x.dtype):
         raise PurlinValueError(f"{op}: dtype must be None, x's dtype or torch.float8_e4m3fn, got {dtype}")
     if check_values and ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < -1 or hi >= num_experts:
-            bad = lo if lo < -1 else hi
-            raise PurlinValueError(f"{op}: topk_ids holds {bad}, outside [-1, {num_experts}) "
-                                   f"(num_experts={num_experts}; -1 means no expert)")
+        check_id_range(int(ids.min()), int(ids.max()), num_experts)
     return "fp8" if dtype == FP8 and x.dtype != FP8 else "none"
 
 
@@ -77,3 +73,11 @@ def check_combine(expert_out: Any, d: Any, device: torch.device, owner: int) -> 
     if tuple(expert_out.shape) != (d.rows, d.hidden):
         raise PurlinValueError(f"{op}: expert_out has shape {tuple(expert_out.shape)}; expected "
                                f"{(d.rows, d.hidden)} (d.x's rows and hidden size)")
+
+
+def check_id_range(lo: int, hi: int, num_experts: int) -> None:
+    """Raise PurlinValueError unless every id (min ``lo``, max ``hi``) is in [-1, num_experts)."""
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise PurlinValueError(f"moe_dispatch: topk_ids holds {bad}, outside [-1, {num_experts}) "
+                               f"(num_experts={num_experts}; -1 means no expert)")

@@ -51,11 +51,13 @@ def bench(args, qdtype):
     def fn(comm):
         r, dev = comm.rank, comm.device
         x, i, w = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+        sent = int(((i.to(torch.int64) // (E // world))[:, :, None] == torch.arange(world, device=dev)).any(1).sum())
+        comm.synchronize()
+        barrier.wait()  # inputs staged on every rank before any call (no host copies while peers wait)
         d = comm.moe_dispatch(x, i, w, num_experts=E, capacity=cap, dtype=qdtype)
         eo = torch.randn(d.x.shape, device=dev).to(torch.bfloat16)
         comm.moe_combine(eo, d)
         comm.synchronize()
-        sent = int(((i.to(torch.int64) // (E // world))[:, :, None] == torch.arange(world, device=dev)).any(1).sum())
         graphs = {}
         for name in ("dispatch", "combine", "pair"):
             barrier.wait()

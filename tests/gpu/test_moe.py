@@ -21,7 +21,8 @@ H = 64
 
 
 def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):
-    return ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype),
+    barrier = threading.Barrier(world)
+    return ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype, barrier),
                           device="cuda", config=CFG)
 
 
@@ -78,8 +79,10 @@ def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=N
 
     def fn(comm):
         r, dev = comm.rank, comm.device
-        xs, ids, ws = routings[0]
-        sx, sid, sw = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+        staged = [(xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)) for xs, ids, ws in routings]  # no host copies later
+        sx, sid, sw = (t.clone() for t in staged[0])
+        comm.synchronize()
+        barrier.wait()
 
         def step():
             d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=cap, dtype=qdtype)
@@ -95,10 +98,10 @@ def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=N
             d, out, y = step()
         barrier.wait()
         results, errors = [], []
-        for i, (xs, ids, ws) in enumerate(routings):
-            sx.copy_(xs[r])
-            sid.copy_(ids[r])
-            sw.copy_(ws[r])
+        for i, (x_i, id_i, w_i) in enumerate(staged):
+            sx.copy_(x_i)
+            sid.copy_(id_i)
+            sw.copy_(w_i)
             for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
                 t.view(torch.uint8).fill_(0xFF)  # poison: every output the graph must write
             g.replay()
@@ -106,6 +109,7 @@ def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=N
                 comm.synchronize()
             except ps.PurlinCapacityError as e:
                 errors.append((i, e.rank, e.expert, e.count))
+            barrier.wait()  # every rank's replay is done before any host copy
             results.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
                 x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank,
                 src_slot=d.src_slot, out=out, y=y).items()})

@@ -54,13 +54,21 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else t.reshape(-1).view(torch.uint8)
 
 
-def run_rank(comm, xs, ids, ws, num_experts, capacity=None, dtype=None, out_dtype=None):
+def run_rank(comm, xs, ids, ws, num_experts, capacity=None, dtype=None, out_dtype=None, barrier=None):
+    """``barrier`` (CUDA loopback): inputs are copied and the stream synchronized before any rank calls,
+    and results are read after every rank finished (no host copies while peers' kernels wait)."""
     r = comm.rank
     dev = comm.device
-    d = comm.moe_dispatch(xs[r].to(dev), ids[r].to(dev), ws[r].to(dev), num_experts=num_experts,
-                          capacity=capacity, dtype=dtype)
+    x, i, w = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+    if barrier is not None:
+        comm.synchronize()
+        barrier.wait()
+    d = comm.moe_dispatch(x, i, w, num_experts=num_experts, capacity=capacity, dtype=dtype)
     out = expert_fn(d.x, d.expert, d.scales, out_dtype or xs[r].dtype)
     y = comm.moe_combine(out, d)
+    if barrier is not None:
+        comm.synchronize()
+        barrier.wait()
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
         x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
         out=out, y=y).items()}
