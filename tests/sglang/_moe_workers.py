@@ -155,7 +155,37 @@ def purlin_layer(rank: int, world: int, config_path: str, fp8_config_path: str, 
     from sglang.srt.distributed.parallel_state import get_moe_ep_group
 
     get_moe_ep_group().destroy()  # frees its purlin communicator (the MoE dispatcher's; tp is the same group)
+    if rank == 0:
+        out["serving config"] = _shipped_serving_config()
     return out
+
+
+def _shipped_serving_config() -> dict:
+    """configs/purlin-sglang-moe-nccl-free.yaml parsed by SGLang's own prepare_server_args (plugin loaded),
+    as launch_server would, with a model directory that has a config.json."""
+    import os
+    import tempfile
+
+    from sglang.srt.server_args import prepare_server_args
+
+    from purlin_sglang.sglang import plugin
+    from purlin_sglang.sglang.moe_config import moe_settings_of
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as model:
+        with open(os.path.join(model, "config.json"), "w") as f:
+            f.write("{}")
+        cwd = os.getcwd()
+        os.chdir(root)
+        try:
+            sa = prepare_server_args(["--model-path", model, "--load-format", "dummy", "--config",
+                                      "configs/purlin-sglang-moe-nccl-free.yaml", "--tp-size", "2", "--ep-size", "2"])
+        finally:
+            os.chdir(cwd)
+    settings = plugin.settings_of(sa)
+    moe = moe_settings_of(settings.load_config())
+    return {"backend": settings.backend, "nccl_free": settings.nccl_free, "a2a": sa.moe_a2a_backend,
+            "ep": sa.ep_size, "chunked": sa.chunked_prefill_size, "moe": (moe.dispatcher, moe.max_tokens_per_rank)}
 
 
 def _prefill_warning(world: int) -> list:
