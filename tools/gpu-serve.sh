@@ -108,7 +108,7 @@ serve() {
     --pid $pid --name "$name" --out "$RUNS/$name.json" --backend "$backend" --tp "$tp" --model "$(basename "$MODEL")" \
     --cuda-graph "$graph" --reference "$ref" --prompts "$PROMPTS" --output-tokens "$OT" --repeats "$REPEATS" \
     --wait "$wait_s" --timeout 150 --command "${cmd[*]}" $([[ " $* " == *nccl-free* ]] && echo --nccl-free) 2>&1 | tee -a "$OUT/summary.txt"
-  kill -TERM -- -$pid 2>/dev/null; for _ in $(seq 15); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -TERM -- -$pid 2>/dev/null; for _ in $(seq 6); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
   grep -q "server process exited" "$RUNS/$name.json" 2>/dev/null && EXITS=$((EXITS + 1)) || EXITS=0
   grep -E "Error|error|Traceback" "$log" | grep -v "INFO" | tail -4 >> "$OUT/summary.txt"
