@@ -13,7 +13,9 @@ engine's threads with ``--device cpu``). Each rank makes its tokens and a random
    the pair's output after the replays is checked again;
 3. times the torch reference path (eager: ``all_gather`` of tokens and routing, ``index_select`` of
    this rank's (token, slot) rows, the stand-in experts, ``index_add`` and ``reduce_scatter``), on the
-   same communicator, checked too.
+   same communicator, checked too; its time is the sum of its three phases, each timed alone with the
+   ranks synchronised between them (loopback ranks share one GPU: a rank's local kernels must not queue
+   behind peers' kernels that wait for it; the check's dispatch, experts and combine are kept apart so too).
 
 Rows report the median / p10 / p90 of the slowest rank per iteration, the payload bytes moved
 (summed over ranks), and on a GPU the copy ceiling measured in the same run (bench/floor.py: a
@@ -109,21 +111,42 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def torch_reference(comm, inp, s: torch.Tensor, experts: int, chunk: int = 8192) -> torch.Tensor:
-    """The expert-parallel layer from standard collectives: all-gather, index, experts, reduce-scatter."""
+def torch_reference(comm, inp, s: torch.Tensor, experts: int, settle=lambda: None, stream=None,
+                    chunk: int = 8192) -> tuple[torch.Tensor, float]:
+    """The expert-parallel layer from standard collectives: all-gather tokens and routing, index this
+    rank's (token, slot) rows, the stand-in experts, index_add, reduce-scatter. Returns the result and
+    its time in seconds: the sum of its three phases, each timed alone (CUDA events on the rank's stream,
+    or the host clock) with ``settle()`` (every rank synchronized) between them: on loopback ranks a
+    rank's local kernels must not queue behind peers' kernels that wait for it."""
     world, k = comm.world_size, inp.ids.shape[1]
     local = experts // world
     lo, hi = comm.rank * local, (comm.rank + 1) * local
-    x_all = comm.all_gather(inp.x)
-    meta = comm.all_gather(torch.cat([inp.ids.to(torch.float32), inp.w.to(torch.float32)], 1).contiguous())
-    ids_all, w_all = meta[:, :k].to(torch.int64), meta[:, k:]
-    t, kk = ((ids_all >= lo) & (ids_all < hi)).nonzero(as_tuple=True)
-    coef = s[ids_all[t, kk]] * w_all[t, kk]
-    part = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
-    for i in range(0, t.shape[0], chunk):  # float32 temporaries of ``chunk`` rows
-        rows = x_all.index_select(0, t[i:i + chunk]).to(torch.float32) * coef[i:i + chunk, None]
-        part.index_add_(0, t[i:i + chunk], rows)
-    return comm.reduce_scatter(part.to(torch.bfloat16))
+    box = {}
+
+    def gather(i):
+        box["x"] = comm.all_gather(inp.x)
+        box["meta"] = comm.all_gather(torch.cat([inp.ids.to(torch.float32), inp.w.to(torch.float32)], 1).contiguous())
+
+    def experts_step(i):
+        x_all, meta = box["x"], box["meta"]
+        ids_all, w_all = meta[:, :k].to(torch.int64), meta[:, k:]
+        t, kk = ((ids_all >= lo) & (ids_all < hi)).nonzero(as_tuple=True)
+        coef = s[ids_all[t, kk]] * w_all[t, kk]
+        part = torch.zeros(x_all.shape, dtype=torch.float32, device=x_all.device)
+        for j in range(0, t.shape[0], chunk):  # float32 temporaries of ``chunk`` rows
+            rows = x_all.index_select(0, t[j:j + chunk]).to(torch.float32) * coef[j:j + chunk, None]
+            part.index_add_(0, t[j:j + chunk], rows)
+        box["part"] = part.to(torch.bfloat16)
+
+    def reduce(i):
+        box["y"] = comm.reduce_scatter(box["part"])
+
+    total = 0.0
+    for phase in (gather, experts_step, reduce):
+        settle()
+        total += time_each(phase, 1, stream)[0]
+    settle()
+    return box["y"], total
 
 
 def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device: torch.device) -> dict:
@@ -154,10 +177,18 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         def dispatch():
             return comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity, dtype=wire)
 
+        def settle():  # every rank's work done: no host copy or local kernel waits behind a peer's waiting kernel
+            sync(stream)
+            barrier.wait()
+
+        # The check: inputs staged, then dispatch, experts and combine apart (loopback ranks share one GPU).
+        settle()
         d = dispatch()
+        settle()
         eo = run_experts(d.x, d.scales, d.expert, r, local, s)
+        settle()
         y = comm.moe_combine(eo, d)
-        sync(stream)
+        settle()
         ok, err, ratio = check(y, inp, experts, wire)
         res = {"ok": ok, "err": err, "ratio": ratio, "rows": d.rows, "hbm": comm.hbm_bytes,
                "moe_hbm": getattr(comm, "moe_hbm_bytes", None),
@@ -190,14 +221,11 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         if with_reference:
             if r == 0:
                 sys.stderr.write(f"  tokens {tokens}: timing the torch reference (eager)\n")
-            yr = torch_reference(comm, inp, s, experts)
-            sync(stream)
+            yr, _ = torch_reference(comm, inp, s, experts, settle, stream)
             res["ref_ok"], res["ref_err"], _ = check(yr, inp, experts, None)
             for _ in range(args.warmup):
-                torch_reference(comm, inp, s, experts)
-            sync(stream)
-            barrier.wait()
-            res["reference"] = time_each(lambda i: torch_reference(comm, inp, s, experts), args.iters, stream)
+                torch_reference(comm, inp, s, experts, settle, stream)
+            res["reference"] = [torch_reference(comm, inp, s, experts, settle, stream)[1] for _ in range(args.iters)]
         return res
 
     cfg = {"timeout_s": args.timeout, "moe": {"max_tokens_per_rank": max(tokens, 1)}}
@@ -304,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     settings["timing"] = ("per iteration the slowest rank; CUDA events on each rank's stream (graph: one replay "
                           "of graph_calls calls / graph_calls) or time.perf_counter (CPU); pair = dispatch then "
                           "combine, no expert work; torch-ref = all_gather + index + stand-in experts + "
-                          "reduce_scatter, eager")
+                          "reduce_scatter, eager, the sum of the three phases timed apart")
     result = {"environment": environment(args.device), "settings": settings, "floor": floor, "rows": rows,
               "failures": failures, "argv": sys.argv}
     (out_dir / "moe.json").write_text(json.dumps(result, indent=2, default=str))
