@@ -474,7 +474,7 @@ class Communicator:
         if self.engine_name == "cuda":
             self._engine.check()  # a timeout recorded by an earlier kernel (no device sync)
             if self._moe is not None:
-                self._moe.check()  # an error an earlier MoE kernel recorded (no device sync)
+                self._moe.check(fatal_only=True)  # a fatal error an earlier MoE kernel recorded (no sync)
         if self._engine.broken:
             raise PurlinBrokenError(
                 f"{name}: the communicator is broken by an earlier failure ({self._engine.broken}); "

@@ -167,11 +167,17 @@ class CudaMoE:
             raise PurlinCudaError(f"{op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
 
     # -- errors ----------------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise an error a MoE kernel recorded (no device sync)."""
+    def check(self, fatal_only: bool = False) -> None:
+        """Raise an error a MoE kernel recorded (no device sync).
+
+        Fatal ones (a timeout, ranks disagreeing on the rows' shape) always: the communicator is
+        broken. The others (a capacity overflow, ids out of range in a captured call) only when
+        ``fatal_only`` is false, which is in :meth:`synchronize` and at the end of ``moe_combine``
+        after its kernel is enqueued: raising before a call would make this rank skip it while its
+        peers wait for it, and raising in a dispatch would make the caller skip the combine."""
         if self.broken:
             raise PurlinBrokenError(f"moe: the communicator is broken ({self.broken})")
-        if not self._err[0]:
+        if not self._err[0] or (fatal_only and int(self._err[0]) in (2, 3)):
             return
         code, kind, rank, peer, expert, count, cap, epoch, seen = (int(v) for v in self._err[:9])
         op = "moe_combine" if kind == 1 else "moe_dispatch"
@@ -225,7 +231,7 @@ class CudaMoE:
 
     # -- calls -----------------------------------------------------------------------------------------
     def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
-        self.check()
+        self.check(fatal_only=True)
         op = "moe_dispatch"
         world, local = self.world, num_experts // self.world
         t_n, k_n = ids.shape
@@ -303,7 +309,7 @@ class CudaMoE:
             weights=ws.to(torch.float32).contiguous(), valid=r.valid, _engine=state, _owner=id(self.comm))
 
     def combine(self, expert_out, d: MoEDispatch) -> torch.Tensor:
-        self.check()
+        self.check(fatal_only=True)
         op = "moe_combine"
         st: _State = d._engine
         layout = self.layout
@@ -325,12 +331,18 @@ class CudaMoE:
         p.expert_out, p.row_src, p.row_slot = full.data_ptr(), st.src.data_ptr(), st.slot.data_ptr()
         p.weights, p.dst, p.y = d.weights.data_ptr(), st.dst.data_ptr(), y.data_ptr()
         self._launch(self.lib.moe_combine, p, op)
+        if not capturing_now():
+            self.check()  # an overflow or bad ids recorded by an earlier dispatch: every rank ran this call
         return y
 
     def close(self) -> None:
         if self._own_region is not None:
             self._own_region.close()
         self._own_region = self.region = None
+
+
+def capturing_now() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _PlanLike:

@@ -1,0 +1,203 @@
+"""A Python model of native/moe/moe_kernel.cuh, standing in for the native library on CPU.
+
+It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/engines/cuda_moe.py) and
+follows the kernels step by step (put rows, count words, wait, expand, padding; put back, done
+words, wait, reduce) over raw addresses of CPU tensors, so the engine's glue (parameters, layout,
+modes, errors) and the protocol are checked without a GPU. Each rank's "kernel" runs in its
+rank's thread; waits spin with a timeout like the device's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import torch
+
+K_DISP_EPOCH, K_COMB_EPOCH, K_FATAL = 0, 1, 6
+_DT = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
+
+
+def arr(ctype, addr, n):
+    return np.ctypeslib.as_array((ctype * max(n, 1)).from_address(addr))[:n]
+
+
+def i64(addr, n=1):
+    return arr(ctypes.c_int64, addr, n)
+
+
+def i32(addr, n=1):
+    return arr(ctypes.c_int32, addr, n)
+
+
+def f32(addr, n=1):
+    return arr(ctypes.c_float, addr, n)
+
+
+class FakeMoELib:
+    def __init__(self, timeout_s: float = 5.0):
+        self.timeout_s = timeout_s
+        self.launches = []
+
+    def moe_occupancy(self):
+        return 2, 132
+
+    def error_string(self, code):
+        return f"fake error {code}"
+
+    def copy_atom(self, dst, src, nbytes, stream, max_blocks=0):
+        ctypes.memmove(dst, src, nbytes)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    @staticmethod
+    def _record(p, code, kind, peer, expert, count, cap, epoch, seen, fatal):
+        st = i64(p.bases[p.rank] + p.state_off, 16)
+        if fatal:
+            if st[K_FATAL]:
+                return
+            st[K_FATAL] = 1
+        h = i64(p.host_error, 16)
+        if h[0]:
+            return
+        h[1:9] = (kind, p.rank, peer, expert, count, cap, epoch, seen)
+        h[0] = code
+
+    def _wait(self, p, addr, target, kind, peer):
+        t0 = time.monotonic()
+        while i64(addr)[0] < target:
+            if i64(p.bases[p.rank] + p.state_off, 16)[K_FATAL]:
+                return False
+            if time.monotonic() - t0 > self.timeout_s:
+                self._record(p, 1, kind, peer, -1, 0, 0, target, int(i64(addr)[0]), True)
+                return False
+            time.sleep(0)
+        return True
+
+    @staticmethod
+    def _cw(p, rank, par, producer):
+        return p.bases[rank] + p.count_off + (par * p.world + producer) * p.count_bytes
+
+    @staticmethod
+    def _meta(p):
+        return (p.payload_bytes << 24) | (p.topk << 16) | p.local
+
+    # -- dispatch -------------------------------------------------------------------------------------
+    def moe_dispatch(self, pref, stream):
+        p = pref._obj
+        self.launches.append(("dispatch", p.blocks))
+        w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
+        st = i64(p.bases[me] + p.state_off, 16)
+        e = int(st[K_DISP_EPOCH]) + 1
+        par = e & 1
+        if st[K_FATAL]:
+            st[K_DISP_EPOCH] = e
+            return 0
+        t_n = p.tokens
+        send_pos = i64(p.send_pos, t_n * w_) if t_n else []
+        dst, le, j = (i64(a, t_n * k_) if t_n else [] for a in (p.dst, p.le, p.j))
+        for it in range(t_n * w_):
+            t, d = it // w_, (it % w_ + me + 1) % w_
+            pos = int(send_pos[t * w_ + d])
+            if pos < 0:
+                continue
+            slot = p.bases[d] + p.recv_off + par * p.recv_parity_bytes + (me * p.max_tokens + pos) * p.slot_bytes
+            h = i32(slot, 2 * k_ + 2)
+            h[0] = t
+            h[1 + 2 * k_] = int(np.float32(f32(p.scales + 4 * t)[0] if p.scales else 1.0).view(np.int32))
+            for k in range(k_):
+                mine = dst[t * k_ + k] == d
+                h[1 + k] = le[t * k_ + k] if mine else -1
+                h[1 + k_ + k] = j[t * k_ + k] if mine else -1
+            ctypes.memmove(slot + p.hdr_bytes, p.x + t * p.payload_bytes, p.payload_bytes)
+        counts = i64(p.counts, w_ * l_)
+        tokens_to = i64(p.tokens_to, w_)
+        for d in range(w_):  # count words to every rank, every call; the epoch last
+            cw = self._cw(p, d, par, me)
+            i64(cw, 3)[1:3] = (tokens_to[d], self._meta(p))
+            i32(cw + 24, l_)[:] = counts[d * l_:(d + 1) * l_]
+        for d in range(w_):
+            i64(self._cw(p, d, par, me))[0] = e
+        ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) for q in range(w_))
+        if ok:
+            for q in range(w_):
+                if i64(self._cw(p, me, par, q), 3)[2] != self._meta(p):
+                    self._record(p, 4, 0, q, -1, int(i64(self._cw(p, me, par, q), 3)[2]), self._meta(p), e, 0, True)
+                    ok = False
+        if ok:
+            cnt = np.stack([i32(self._cw(p, me, par, q) + 24, l_) for q in range(w_)]).astype(np.int64)
+            ntok = [int(i64(self._cw(p, me, par, q), 2)[1]) for q in range(w_)]
+            off = np.cumsum(np.minimum(cnt, cap), 0) - np.minimum(cnt, cap)
+            tot = off[w_ - 1] + np.minimum(cnt[w_ - 1], cap)
+            over = np.argwhere(cnt > cap)
+            if len(over):
+                q, c = (int(v) for v in over[0])
+                self._record(p, 2, 0, q, me * l_ + c, int(cnt[q, c]), cap, e, 0, False)
+            if p.bad_ids and i64(p.bad_ids)[0] > 0:
+                self._record(p, 3, 0, -1, -1, int(i64(p.bad_ids)[0]), 0, e, 0, False)
+            i32(p.out_counts, l_)[:] = tot
+            recv = p.bases[me] + p.recv_off + par * p.recv_parity_bytes
+            rows = l_ * w_ * cap
+            out_expert, out_src = i32(p.out_expert, rows), i32(p.out_src, rows)
+            out_slot = i64(p.out_slot, rows)
+            out_scales = f32(p.out_scales, rows) if p.out_scales else None
+            for q in range(w_):
+                for i in range(ntok[q]):
+                    slot = recv + (q * p.max_tokens + i) * p.slot_bytes
+                    h = i32(slot, 2 * k_ + 2)
+                    for k in range(k_):
+                        lev, jj = int(h[1 + k]), int(h[1 + k_ + k])
+                        if lev < 0 or jj >= cap:
+                            continue
+                        row = lev * w_ * cap + int(off[q, lev]) + jj
+                        ctypes.memmove(p.out_x + row * p.payload_bytes, slot + p.hdr_bytes, p.payload_bytes)
+                        out_expert[row], out_src[row], out_slot[row] = lev, q, int(h[0]) * k_ + k
+                        if out_scales is not None:
+                            out_scales[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
+            for r in range(rows):
+                lev, pos = r // (w_ * cap), r % (w_ * cap)
+                if pos >= tot[lev]:
+                    out_expert[r] = out_src[r] = out_slot[r] = -1
+                    if out_scales is not None:
+                        out_scales[r] = 1.0
+        st[K_DISP_EPOCH] = e
+        return 0
+
+    # -- combine --------------------------------------------------------------------------------------
+    def moe_combine(self, pref, stream):
+        p = pref._obj
+        self.launches.append(("combine", p.blocks))
+        w_, k_, me = p.world, p.topk, p.rank
+        st = i64(p.bases[me] + p.state_off, 16)
+        e = int(st[K_COMB_EPOCH]) + 1
+        par = e & 1
+        if st[K_FATAL]:
+            st[K_COMB_EPOCH] = e
+            return 0
+        rows = p.local * w_ * p.capacity
+        src, slot = i32(p.row_src, rows), i64(p.row_slot, rows)
+        for r in range(rows):
+            q = int(src[r])
+            if q < 0:
+                continue
+            ctypes.memmove(p.bases[q] + p.ret_off + par * p.ret_parity_bytes + int(slot[r]) * p.ret_bytes,
+                           p.expert_out + r * p.ret_bytes, p.ret_bytes)
+        for q in range(w_):
+            i64(p.bases[q] + p.done_off + me * 8)[0] = e
+        ok = all(self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q) for q in range(w_))
+        if ok and p.tokens:
+            dt = _DT[p.dtype]
+            n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
+            base = p.bases[me] + p.ret_off + par * p.ret_parity_bytes
+            raw = (ctypes.c_char * (p.tokens * k_ * p.ret_bytes)).from_address(base)
+            ret = torch.frombuffer(bytearray(raw), dtype=dt).view(p.tokens, k_, n)
+            dst = torch.from_numpy(i64(p.dst, p.tokens * k_).copy()).view(p.tokens, k_)
+            w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
+            acc = torch.zeros(p.tokens, n, dtype=torch.float32)
+            for k in range(k_):
+                m = dst[:, k] >= 0
+                acc[m] = acc[m] + w[m, k, None] * ret[m, k].to(torch.float32)
+            out = acc.to(dt).contiguous().view(torch.uint8).numpy()
+            ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+        st[K_COMB_EPOCH] = e
+        return 0

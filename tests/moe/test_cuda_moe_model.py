@@ -1,0 +1,170 @@
+"""The CUDA engine's MoE glue (engines/cuda_moe.py) on CPU, over a Python model of the kernels
+(_kernel_model.py) that reads the same parameter struct: eager exact and capacity layouts, FP8,
+graph-mode calls (the capturing path) repeated on one region with new routings (epochs, parities),
+back-to-back dispatches, a capacity overflow and out-of-range ids recorded "on the device" and
+raised at synchronize(), against the torch reference. The CUDA kernels themselves run in
+tests/gpu/test_moe.py; this checks what the host fills in and the protocol the kernels follow."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import purlin_sglang as ps
+from _kernel_model import FakeMoELib
+from _moe_cases import FP8, check_results, expert_fn, make_case
+from purlin_sglang.engines import cuda_moe
+from purlin_sglang.engines.cuda_moe import CudaMoE, SharedRegions
+from purlin_sglang.moe.validate import check_dispatch
+
+H = 16
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def synchronize(self):
+        pass
+
+
+class _Group:
+    def __init__(self, world):
+        self.barrier, self.slots = threading.Barrier(world), [None] * world
+
+    def all_gather(self, rank, t):
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        out = torch.cat(self.slots)
+        self.barrier.wait()
+        return out
+
+
+class _Comm:
+    def __init__(self, rank, world, group, vworld, cfg):
+        self.rank, self.world_size, self.device, self.config, self.group = rank, world, torch.device("cpu"), cfg, None
+        self._vworld, self._g = vworld, group
+        self._engine = SimpleNamespace(mark_broken=lambda msg: None)
+
+    def all_gather(self, t):
+        return self._g.all_gather(self.rank, t)
+
+
+def _moe(comm, lib):
+    """A CudaMoE as its __init__ makes it, with CPU stand-ins for the pinned buffers."""
+    m = CudaMoE.__new__(CudaMoE)
+    m.comm, m.lib, m.device, m.world, m.rank = comm, lib, comm.device, comm.world_size, comm.rank
+    m.max_tokens, m.blocks = comm.config.moe.max_tokens_per_rank, 16
+    m.layout = m.region = m._own_region = None
+    m._host_error = torch.zeros(16, dtype=torch.int64)
+    m._err = m._host_error.numpy()
+    m._pin_up = torch.zeros(cuda_moe.PIN_WORDS, dtype=torch.int64)
+    m._pin_down = torch.zeros(cuda_moe.PIN_WORDS * comm.world_size, dtype=torch.int64)
+    m._stream, m.broken = None, None
+    return m
+
+
+@pytest.fixture
+def world_of(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+
+    def run(world, fn, max_tokens=16):
+        cfg = ps.PurlinConfig(timeout_s=5, moe={"max_tokens_per_rank": max_tokens})
+        lib, group, vworld = FakeMoELib(5.0), _Group(world), SimpleNamespace(moe_regions=SharedRegions())
+        moes = [_moe(_Comm(r, world, group, vworld, cfg), lib) for r in range(world)]
+        out, errs = [None] * world, [None] * world
+
+        def body(r):
+            try:
+                out[r] = fn(moes[r])
+            except BaseException as e:  # noqa: BLE001
+                errs[r] = e
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for e in errs:
+            if e is not None:
+                raise e
+        return out, lib
+    return run
+
+
+def _call(m, xs, ids, ws, experts, capacity=None, qdtype=None, capturing=False):
+    r = m.rank
+    quant = check_dispatch(xs[r], ids[r], ws[r], experts, capacity, qdtype, m.world, m.device, check_values=False)
+    d = m.dispatch(xs[r], ids[r], ws[r], experts, capacity, quant, capturing)
+    out = expert_fn(d.x, d.expert, d.scales, xs[r].dtype)
+    y = m.combine(out, d)
+    m.synchronize()
+    return dict(x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
+                out=out, y=y)
+
+
+@pytest.mark.parametrize("world,experts,topk", [(2, 4, 2), (4, 8, 3), (8, 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_eager_exact(world_of, world, experts, topk, dtype):
+    xs, ids, ws = make_case(world, experts, topk, H, dtype, 8 if world == 8 else world, max_tokens=12)
+    res, lib = world_of(world, lambda m: _call(m, xs, ids, ws, experts))
+    check_results(res, xs, ids, ws, experts)
+    assert {b for _, b in lib.launches} == {16}
+
+
+@pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])
+def test_capacity_and_fp8(world_of, qdtype):
+    xs, ids, ws = make_case(4, 8, 2, H, torch.bfloat16, 21, max_tokens=12)
+    cap = max(1, max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(8)))
+    res, _ = world_of(4, lambda m: _call(m, xs, ids, ws, 8, capacity=cap, qdtype=qdtype))
+    check_results(res, xs, ids, ws, 8, capacity=cap, dtype=qdtype)
+    res, _ = world_of(4, lambda m: _call(m, xs, ids, ws, 8, qdtype=qdtype))
+    check_results(res, xs, ids, ws, 8, dtype=qdtype)
+
+
+def test_graph_mode_calls_repeat_on_one_region_with_new_routings(world_of):
+    world, experts, topk, cap = 4, 8, 3, 16  # capturing: capacity defaults to max_tokens_per_rank (16)
+    routings = [make_case(world, experts, topk, H, torch.bfloat16, 100 + s, max_tokens=10, fixed_tokens=True)
+                for s in range(5)]
+
+    def fn(m):
+        first = _call(m, *routings[0], experts, capacity=cap)  # warm-up: eager, makes the region
+        outs = [_call(m, *rt, experts, capturing=True) for rt in routings]
+        r = m.rank  # two dispatches back to back (parities), then the second one's combine
+        m.dispatch(routings[1][0][r], routings[1][1][r], routings[1][2][r], experts, None, "none", True)
+        last = _call(m, *routings[2], experts, capturing=True)
+        return first, outs, last
+
+    res, _ = world_of(world, fn)
+    check_results([r[0] for r in res], *routings[0], experts, capacity=cap)
+    for i, rt in enumerate(routings):
+        check_results([r[1][i] for r in res], *rt, experts, capacity=cap)
+    check_results([r[2] for r in res], *routings[2], experts, capacity=cap)
+
+
+def test_overflow_and_bad_ids_are_recorded_and_raised_at_synchronize(world_of):
+    world, experts, cap = 2, 4, 3
+    g = torch.Generator().manual_seed(5)
+
+    def routing(rank1_ids):
+        xs = [torch.randn(2, H, generator=g) for _ in range(world)]
+        return xs, [torch.tensor([[0, 2], [1, 3]]), torch.tensor(rank1_ids)], [torch.rand(2, 2, generator=g)
+                                                                                 for _ in range(world)]
+
+    good, over, bad = routing([[0, 2], [1, 3]]), routing([[3, 3], [3, 3]]), routing([[0, 7], [1, 3]])
+
+    def fn(m):
+        _call(m, *good, experts, capacity=cap)
+        caught = []
+        for rt in (over, bad):
+            try:
+                _call(m, *rt, experts, capacity=cap, capturing=True)
+            except ps.PurlinCapacityError as e:
+                caught.append(("capacity", e.rank, e.expert, e.count))
+            except ps.PurlinValueError as e:
+                caught.append(("ids", str(e)))
+        return caught, _call(m, *good, experts, capacity=cap, capturing=True)
+
+    res, _ = world_of(world, fn)
+    assert res[0][0] == [] and res[1][0][0] == ("capacity", 1, 3, 4)
+    assert res[1][0][1][0] == "ids" and "outside [-1, num_experts)" in res[1][0][1][1]
+    check_results([r[1] for r in res], *good, experts, capacity=cap)
