@@ -27,6 +27,8 @@ def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None
 
 
 def test_bad_arguments_and_limits():
+    barrier = threading.Barrier(2)
+
     def fn(comm):
         dev = comm.device
         x = torch.randn(4, H, device=dev)
@@ -41,6 +43,8 @@ def test_bad_arguments_and_limits():
             comm.moe_dispatch(torch.randn(4, 3, device=dev), ids, w, num_experts=4)
         d = comm.moe_dispatch(x, ids, w, num_experts=4)
         y = comm.moe_combine(d.x.clone(), d)
+        comm.synchronize()
+        barrier.wait()  # host copies only once every rank's kernels are done
         return torch.equal(y.cpu(), (x * 2).cpu()), comm.moe_hbm_bytes
 
     res = ps.run_virtual(2, fn, device="cuda", config=CFG)
