@@ -143,12 +143,14 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   __shared__ int s_off[PURLIN_MOE_MAX_EXPERTS];  // [world][local] offset of each source in its group
   __shared__ int s_tstart[PURLIN_MOE_MAX_RANKS + 1];
   __shared__ long long s_e;
-  __shared__ int s_flag, s_fail;
+  __shared__ int s_flag, s_fail, s_bad;  // s_bad: a producer's rows have another shape (set apart from
+                                         // s_fail so that every branch below reads a flag fixed before a barrier)
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   if (tid == 0) {
     s_e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
     s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s_bad = 0;
   }
   __syncthreads();
   const long long e = s_e;
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
       const long long* cw = count_word(p, p.rank, par, tid);
       if (cw[2] != meta(p)) {
         record(p, kMismatch, 0, tid, -1, cw[2], meta(p), e, 0, true);
-        s_fail = 1;
+        s_bad = 1;
       }
       s_tstart[tid + 1] = int(cw[1]);
     }
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     }
     __syncthreads();
   }
-  if (!s_fail) {
+  if (!s_fail && !s_bad) {
     for (long long le = tid; le < L; le += blockDim.x) {
       int acc = 0;
       for (long long q = 0; q < W; ++q) {
