@@ -90,8 +90,12 @@ class _VirtualWorld:
 
     def __init__(self, world: int, config: PurlinConfig, device: torch.device, engine: str):
         self.world, self.config, self.engine = world, config, engine
+        self.gate = None
         if device.type == "cuda":
             from .memory.loopback import LoopbackWorld
+            from .virtual import LaunchGate
+
+            self.gate = LaunchGate(world, config.timeout_s)  # eager calls return once every rank launched
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
@@ -122,6 +126,7 @@ class Communicator:
     def __init__(self, group: Any = None, device: Any = "cpu", config: Any = None):
         self._closed = True  # until _init finishes (close() and __del__ stay safe)
         self._broken_reason: str | None = None
+        self._gate = None  # loopback virtual ranks only
         self.config = _coerce_config(config)
         self.device = _check_device(device)
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=False)
@@ -230,6 +235,7 @@ class Communicator:
         self = cls.__new__(cls)
         self._closed = True  # until _init finishes (close() and __del__ stay safe)
         self._broken_reason = None
+        self._gate = vworld.gate
         self.config = vworld.config
         self.device = vworld.device
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=True)
@@ -524,8 +530,13 @@ class Communicator:
 
     def _execute(self, sched: Schedule, ctx: CallContext) -> None:
         """Run one call on the engine; a failure that breaks the engine releases this rank's memory."""
+        gate = self._gate if self._gate is not None and not torch.cuda.is_current_stream_capturing() else None
         try:
+            if gate is not None:
+                gate.enter(self.rank, ctx.seq, ctx.op)
             self._engine.execute(sched, ctx)
+            if gate is not None:
+                gate.launched(self.rank, ctx.seq, ctx.op)
         except PurlinError as e:
             if self._engine.broken:
                 # The engine's frames in the traceback hold views of the shared mapping: drop their
@@ -730,6 +741,15 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     Virtual ranks are threads of this process sharing one workspace: host memory on CPU; on
     ``device="cuda"``, loopback ranks on ONE GPU (one allocation, each rank its own thread and
     stream, running the CUDA engine; each rank's stream is synchronized after ``fn`` returns).
+
+    On CUDA, an eager call is launched only once every virtual rank has reached it and returns only
+    once every virtual rank has enqueued it (the launch gate, purlin_sglang/virtual.py), so ``fn``
+    may run ordinary host code between calls: ``.cpu()``, ``.item()``, ``print(tensor)``, new
+    tensors, even ``torch.cuda.synchronize()``. Still unsafe: replaying CUDA graphs that hold
+    collectives (no gate runs inside a graph: launch every rank's replay before blocking any rank's
+    host, as the bench does), capturing in several rank threads at once (torch refuses concurrent
+    captures: serialize them), and host code that waits for another rank's host (a Python barrier
+    of your own inside a call sequence the ranks do not share).
     If any rank raises, the others are released (CPU: their waits fail fast; CUDA: they time
     out) and the first root-cause error is re-raised.
     """
@@ -769,6 +789,8 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
             comms[r]._engine.mark_broken(f"rank {r} raised {type(e).__name__}: {e}")
+            if vworld.gate is not None:
+                vworld.gate.fail(r, f"{type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=body, args=(r,), name=f"purlin-vrank{r}", daemon=True)
                for r in range(world_size)]

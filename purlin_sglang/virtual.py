@@ -1,0 +1,80 @@
+"""Loopback virtual ranks: the launch gate that makes ordinary host code in rank threads safe.
+
+Virtual ranks on one GPU are threads of one process, each enqueuing its kernels on its own stream.
+A rank's collective kernel waits on the device for its peers' kernels. If a rank thread, right
+after a call, blocks the host (``.cpu()``, ``.item()``, ``print(tensor)``: a synchronous copy that
+waits for its stream), and a peer's thread has not launched its part yet, that peer's launch can
+stall behind the blocked copy, and the first wait of the collective times out.
+
+The gate closes that window: in eager mode, a virtual CUDA rank launches a call only once every
+virtual rank has reached it, and returns only once every virtual rank has enqueued it (two
+host-side rendezvous per call, bounded by the config's ``timeout_s``). What remains unsafe is named
+in :func:`purlin_sglang.run_virtual`'s docstring.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+
+from .errors import PurlinBrokenError, PurlinTimeoutError
+
+
+class LaunchGate:
+    """Two host-side rendezvous per eager call of the virtual ranks, both bounded by ``timeout_s``:
+
+    * :meth:`enter` before a rank launches call ``seq``: every rank has reached the call, so no
+      rank's kernel of this call is in flight while another rank is still in host code before it
+      (a device allocation or a synchronize there would wait for that kernel, which waits for it);
+    * :meth:`launched` after it: every rank has enqueued the call, so a rank that blocks its host
+      right after (``.cpu()``, ``.item()``) cannot stall a peer's launch.
+    """
+
+    def __init__(self, world: int, timeout_s: float):
+        self.world, self.timeout_s = world, timeout_s
+        self._counts = {"reach": [0] * world, "launch": [0] * world}
+        self._failed: dict[int, str] = {}
+        self._cond = threading.Condition()
+
+    def enter(self, rank: int, seq: int, op: str) -> None:
+        self._meet("reach", rank, seq, op)
+
+    def launched(self, rank: int, seq: int, op: str) -> None:
+        self._meet("launch", rank, seq, op)
+
+    def _meet(self, what: str, rank: int, seq: int, op: str) -> None:
+        counts = self._counts[what]
+        with self._cond:
+            if seq > counts[rank]:
+                counts[rank] = seq
+                self._cond.notify_all()
+            done = self._cond.wait_for(lambda: self._failed or min(counts) >= seq, self.timeout_s)
+            if self._failed and min(counts) < seq:
+                r, why = next(iter(self._failed.items()))
+                raise PurlinBrokenError(f"{op}: virtual rank {r} failed before it {what}ed call #{seq} ({why})")
+            if not done:
+                late = [r for r, n in enumerate(counts) if n < seq]
+                verb = "reach" if what == "reach" else "launch"
+                raise PurlinTimeoutError(
+                    f"{op}: virtual rank {rank} waited {self.timeout_s:g}s (timeout_s) for ranks {late} to {verb} "
+                    f"call #{seq}; they never did. Where their threads were:\n{thread_stacks(late)}",
+                    op=op, rank=rank, missing=late)
+
+    def fail(self, rank: int, why: str) -> None:
+        """Rank ``rank`` raised: release the ranks waiting for it."""
+        with self._cond:
+            self._failed.setdefault(rank, why)
+            self._cond.notify_all()
+
+
+def thread_stacks(ranks: list[int]) -> str:
+    """The current Python stacks of the rank threads ``purlin-vrank<r>`` (the innermost frames)."""
+    names = {f"purlin-vrank{r}": r for r in ranks}
+    frames = sys._current_frames()
+    out = []
+    for t in threading.enumerate():
+        if t.name in names and t.ident in frames:
+            stack = "".join(traceback.format_stack(frames[t.ident], limit=6))
+            out.append(f"  rank {names[t.name]} ({t.name}):\n{stack}")
+    return "\n".join(out) if out else "  (no rank thread is alive)"
