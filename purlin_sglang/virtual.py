@@ -52,13 +52,14 @@ class LaunchGate:
             done = self._cond.wait_for(lambda: self._failed or min(counts) >= seq, self.timeout_s)
             if self._failed and min(counts) < seq:
                 r, why = next(iter(self._failed.items()))
-                raise PurlinBrokenError(f"{op}: virtual rank {r} failed before it {what}ed call #{seq} ({why})")
+                raise PurlinBrokenError(f"{op}: rank {r} failed before it {what}ed call #{seq} ({why})")
             if not done:
                 late = [r for r, n in enumerate(counts) if n < seq]
-                verb = "reach" if what == "reach" else "launch"
+                who = f"rank {late[0]}" if len(late) == 1 else f"ranks {late}"
                 raise PurlinTimeoutError(
-                    f"{op}: virtual rank {rank} waited {self.timeout_s:g}s (timeout_s) for ranks {late} to {verb} "
-                    f"call #{seq}; they never did. Where their threads were:\n{thread_stacks(late)}",
+                    f"{op}: rank {rank} waited {self.timeout_s:g}s (timeout_s) for call #{seq}: {who} never "
+                    f"{'reached' if what == 'reach' else 'launched'} it (loopback virtual ranks). Where their "
+                    f"threads were:\n{thread_stacks(late)}",
                     op=op, rank=rank, missing=late)
 
     def fail(self, rank: int, why: str) -> None:
