@@ -533,7 +533,8 @@ class Communicator:
         gate = self._gate if self._gate is not None and not torch.cuda.is_current_stream_capturing() else None
         try:
             if gate is not None:
-                gate.enter(self.rank, ctx.seq, ctx.op)
+                gate.enter(self.rank, ctx.seq, ctx.op, ctx.fingerprint,
+                           f"{ctx.op}(dtype={str(ctx.dtype).replace('torch.', '')}, shape={tuple(ctx.x.shape)})")
             self._engine.execute(sched, ctx)
             if gate is not None:
                 gate.launched(self.rank, ctx.seq, ctx.op)

@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 
-from .errors import PurlinBrokenError, PurlinTimeoutError
+from .errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
 
 
 class LaunchGate:
@@ -35,10 +35,23 @@ class LaunchGate:
         self.world, self.timeout_s = world, timeout_s
         self._counts = {"reach": [0] * world, "launch": [0] * world}
         self._failed: dict[int, str] = {}
+        self._calls: list = [None] * world  # per rank: (seq, fingerprint, description) of its latest call
         self._cond = threading.Condition()
 
-    def enter(self, rank: int, seq: int, op: str) -> None:
+    def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: str = "") -> None:
+        """Meet every rank at call ``seq``; ranks whose calls differ (``fingerprint``: the call's
+        cross-rank invariants; ``what``: how to name it) get a PurlinMismatchError naming both sides."""
+        with self._cond:
+            self._calls[rank] = (seq, fingerprint, what or op)
         self._meet("reach", rank, seq, op)
+        with self._cond:
+            mine = self._calls[rank]
+            for peer, theirs in enumerate(self._calls):
+                if theirs is not None and theirs[0] == seq and theirs[1] != mine[1]:
+                    raise PurlinMismatchError(
+                        f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, dtypes, "
+                        f"roots or sizes: rank {rank} called {mine[2]}, rank {peer} called {theirs[2]}; every rank "
+                        "must make the same calls in the same order", op=op, rank=rank, peer=peer)
 
     def launched(self, rank: int, seq: int, op: str) -> None:
         self._meet("launch", rank, seq, op)

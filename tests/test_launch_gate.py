@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError
+from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
 from purlin_sglang.virtual import LaunchGate
 
 
@@ -88,3 +88,21 @@ def test_a_failed_rank_releases_the_others_at_once():
     assert time.monotonic() - t0 < 5
     for r in (0, 2):
         assert isinstance(errors[r], PurlinBrokenError) and "rank 1 failed before it reached call #1" in str(errors[r]), errors[r]
+
+
+def test_ranks_in_different_calls_are_told_both_sides():
+    gate = LaunchGate(2, 10)
+
+    def body(r):
+        gate.enter(r, 1, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+        if r == 0:
+            gate.enter(r, 2, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+        else:
+            gate.enter(r, 2, "all_gather", 22, "all_gather(dtype=bfloat16, shape=(2, 3))")
+
+    errors = _run(2, body)
+    for r in (0, 1):
+        e = errors[r]
+        assert isinstance(e, PurlinMismatchError) and e.peer == 1 - r, e
+        assert f"rank {r} and rank {1 - r} entered call #2" in str(e), e
+        assert "all_reduce(dtype=float32, shape=(4,))" in str(e) and "all_gather(dtype=bfloat16, shape=(2, 3))" in str(e)

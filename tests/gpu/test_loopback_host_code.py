@@ -82,3 +82,14 @@ def test_a_rank_that_never_launches_is_named():
     with pytest.raises(PurlinTimeoutError) as info:
         ps.run_virtual(3, fn, device="cuda", config={"staging_bytes": 1 << 20, "timeout_s": 2})
     assert info.value.missing == (2,) and "rank 2 never reached it" in str(info.value), info.value
+
+
+def test_ranks_in_different_calls_get_a_mismatch_naming_both():
+    def fn(comm):
+        x = torch.ones(8, device=comm.device)
+        return (comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)).cpu()
+
+    with pytest.raises(ps.PurlinMismatchError) as info:
+        ps.run_virtual(2, fn, device="cuda", config={"staging_bytes": 1 << 20, "timeout_s": 5})
+    msg = str(info.value)
+    assert "entered call #1" in msg and "all_reduce(dtype=float32, shape=(8,))" in msg and "all_gather(" in msg, msg
