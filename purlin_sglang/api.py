@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from .errors import (
     PurlinBrokenError, PurlinClosedError, PurlinConfigError, PurlinError, PurlinPlanError,
     PurlinTimeoutError, PurlinUnavailableError, PurlinValueError,
 )
-from .memory import HostWorkspace, WorkspaceLayout
+from .memory import HostWorkspace, WorkspaceLayout, setup_phase
 from .memory.host import unlink_shared
 from .moe import MoEDispatch
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
@@ -43,13 +44,58 @@ def _coerce_config(config: Any) -> PurlinConfig:
     raise PurlinConfigError(f"config must be a PurlinConfig, a dict or None, got {type(config).__name__}")
 
 
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device of type cpu or cuda, else a PurlinValueError naming what is accepted."""
+    accepted = "'cpu', 'cuda', 'cuda:N' or a torch.device of those types"
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
+        hint = f"; for GPU {device} use 'cuda:{device}'" if isinstance(device, int) and not isinstance(device, bool) else ""
+        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r} "
+                               f"({type(device).__name__}){hint}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r} (type {dev.type!r})")
+    if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if dev.index >= n:
+            raise PurlinValueError(f"Communicator: device {device!r} does not exist: this process sees {n} CUDA "
+                                   f"device(s), cuda:0 to cuda:{n - 1}")
+    return dev
+
+
+def _check_group(group: Any) -> Any:
+    """``group`` as a torch.distributed process group (None: the default group)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns to a rank outside it
+        raise PurlinValueError("Communicator: this process is not a member of the given group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise PurlinValueError(
+            f"Communicator: group must be a torch.distributed ProcessGroup (e.g. dist.new_group(backend='gloo')) "
+            f"or None for the default group, got {group!r} ({type(group).__name__})")
+    return group
+
+
+def _problem_text(e: BaseException) -> str:
+    """A set-up failure of this rank as the text its peers are told."""
+    return str(e) if isinstance(e, PurlinError) else f"{type(e).__name__}: {e}"
+
+
 class _VirtualWorld:
     """Shared state of N virtual ranks in one process: host memory (CPU) or one loopback GPU allocation."""
 
     def __init__(self, world: int, config: PurlinConfig, device: torch.device, engine: str):
         self.world, self.config, self.engine = world, config, engine
+        self.gate = None
         if device.type == "cuda":
             from .memory.loopback import LoopbackWorld
+            from .virtual import LaunchGate
+
+            self.gate = LaunchGate(world, config.timeout_s)  # eager calls return once every rank launched
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
@@ -83,8 +129,10 @@ class Communicator:
 
     def __init__(self, group: Any = None, device: Any = "cpu", config: Any = None):
         self._closed = True  # until _init finishes (close() and __del__ stay safe)
+        self._broken_reason: str | None = None
+        self._gate = None  # loopback virtual ranks only
         self.config = _coerce_config(config)
-        self.device = torch.device(device)
+        self.device = _check_device(device)
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=False)
         import torch.distributed as dist
 
@@ -93,10 +141,15 @@ class Communicator:
                 "Communicator: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group('gloo', ...) first, or use purlin_sglang.run_virtual"
             )
-        group = group if group is not None else dist.group.WORLD
+        group = _check_group(group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
             raise PurlinValueError("Communicator: this process is not a member of the given group")
+        with setup_phase.bounded(self.config.timeout_s):  # every set-up wait ends within timeout_s
+            self._setup(group, rank, world, engine)
+
+    def _setup(self, group: Any, rank: int, world: int, engine: Any) -> None:
+        """The collective part of construction (inside :func:`setup_phase.bounded`)."""
         if engine.name != "cuda":
             self._init(self._host_workspace(group, rank, world), rank, world, engine.name, group)
             return
@@ -106,8 +159,7 @@ class Communicator:
             status = None
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
             status, error = f"{type(e).__name__}: {e}", e
-        statuses: list = [None] * world
-        dist.all_gather_object(statuses, status, group=group)
+        statuses = setup_phase.gather_status(group, world, status, "Communicator")
         failed = [(r, m) for r, m in enumerate(statuses) if m is not None]
         if failed:
             self.close()
@@ -129,12 +181,13 @@ class Communicator:
         try:
             if rank == 0:
                 try:
-                    ws, path = HostWorkspace.create_shared(layout)
-                except PurlinError as e:
-                    problem = ("unavailable", str(e))
+                    ws, path = HostWorkspace.create_shared(layout, self.config.shm_dir)
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    problem = ("unavailable", _problem_text(e))
                 box = [(path, self.config.staging_bytes)]
             else:
                 box = [None]
+            setup_phase.arrive("Communicator", group, world)
             dist.broadcast_object_list(box, src=src, group=group)
             path_seen, staging_seen = box[0]
             if rank != 0 and problem is None:
@@ -144,10 +197,9 @@ class Communicator:
                 elif path_seen is not None:
                     try:
                         ws = HostWorkspace.open_shared(layout, path_seen)
-                    except PurlinError as e:
-                        problem = ("unavailable", str(e))
-            problems: list = [None] * world
-            dist.all_gather_object(problems, problem, group=group)
+                    except Exception as e:  # noqa: BLE001 - reported to every rank below
+                        problem = ("unavailable", _problem_text(e))
+            problems = setup_phase.gather_status(group, world, problem, "Communicator")
         finally:
             if path is not None:
                 unlink_shared(path)  # every rank has mapped it (or failed): nothing can leak
@@ -165,21 +217,19 @@ class Communicator:
         Collective over ``group``. The ranks first agree on the config that shapes the workspace
         (an all-gather that is also the barrier), so a mismatch is a PurlinConfigError on every rank.
         """
-        import torch.distributed as dist
-
         from .memory import device_provider
         from .memory.layout import DeviceLayout
 
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        mine = (self.config.staging_bytes, self.memory)
-        seen: list = [None] * world
-        dist.all_gather_object(seen, mine, group=group)
-        odd = [r for r, v in enumerate(seen) if v != seen[0]]
-        if odd:
+        mine = {"staging_bytes": self.config.staging_bytes, "memory": self.memory}
+        seen = setup_phase.gather_status(group, world, mine, "Communicator")
+        differ = [k for k in mine if any(v[k] != seen[0][k] for v in seen)]
+        if differ:
             raise PurlinConfigError(
-                "Communicator: ranks disagree on (staging_bytes, memory): "
-                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(seen)) + "; every rank needs the same config")
+                f"Communicator: ranks disagree on {', '.join(differ)}: "
+                + "; ".join(f"{k}: " + ", ".join(f"rank {r}={v[k]!r}" for r, v in enumerate(seen)) for k in differ)
+                + "; every rank needs the same config")
         dlayout = DeviceLayout(world, self.config.staging_bytes)
         provider = device_provider(self.memory)
         return provider.create(dlayout.rank_bytes, group, index, rank, world, layout=dlayout)
@@ -188,6 +238,8 @@ class Communicator:
     def _virtual(cls, vworld: _VirtualWorld, rank: int) -> "Communicator":
         self = cls.__new__(cls)
         self._closed = True  # until _init finishes (close() and __del__ stay safe)
+        self._broken_reason = None
+        self._gate = vworld.gate
         self.config = vworld.config
         self.device = vworld.device
         engine, self.memory = select_engine(self.device, self.config.memory, virtual=True)
@@ -397,8 +449,8 @@ class Communicator:
                             ok = False
                         if ok:
                             self._seq += 1
-                            self._engine.execute(call.sched, CallContext(call.name, self._seq, call.fingerprint,
-                                                                         x.dtype, x, out))
+                            self._execute(call.sched, CallContext(call.name, self._seq, call.fingerprint,
+                                                                  x.dtype, x, out))
                             return out
         return self._run_checked(spec, x, out, op, root, in_splits, out_splits, key)
 
@@ -464,22 +516,60 @@ class Communicator:
                 del calls[next(iter(calls))]  # the oldest entry
             calls[key] = _Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced)
         self._seq += 1
-        self._engine.execute(sched, CallContext(name, self._seq, fp, x.dtype, x, out))
+        self._execute(sched, CallContext(name, self._seq, fp, x.dtype, x, out))
         return out
 
     # -- validation --------------------------------------------------------------------------
     def _check_usable(self, name: str) -> None:
         if self._closed:
+            if self._broken_reason:
+                raise PurlinBrokenError(
+                    f"{name}: the communicator is broken by an earlier failure ({self._broken_reason}); its memory "
+                    "was released then; create a new Communicator on every rank")
             raise PurlinClosedError(f"{name}: the communicator is closed; create a new one")
         if self.engine_name == "cuda":
-            self._engine.check()  # a timeout recorded by an earlier kernel (no device sync)
-            if self._moe is not None:
-                self._moe.check(fatal_only=True)  # a fatal error an earlier MoE kernel recorded (no sync)
+            try:
+                self._engine.check()  # a timeout recorded by an earlier kernel (no device sync)
+                if self._moe is not None:
+                    self._moe.check(fatal_only=True)  # a fatal error an earlier MoE kernel recorded (no sync)
+            except PurlinError:
+                self._release_broken()
+                raise
         if self._engine.broken:
+            reason = self._engine.broken
+            self._release_broken()
             raise PurlinBrokenError(
-                f"{name}: the communicator is broken by an earlier failure ({self._engine.broken}); "
+                f"{name}: the communicator is broken by an earlier failure ({reason}); "
                 "create a new Communicator on every rank"
             )
+
+    def _execute(self, sched: Schedule, ctx: CallContext) -> None:
+        """Run one call on the engine; a failure that breaks the engine releases this rank's memory."""
+        gate = self._gate if self._gate is not None and not torch.cuda.is_current_stream_capturing() else None
+        try:
+            if gate is not None:
+                gate.enter(self.rank, ctx.seq, ctx.op, ctx.fingerprint,
+                           f"{ctx.op}(dtype={str(ctx.dtype).replace('torch.', '')}, shape={tuple(ctx.x.shape)})")
+            self._engine.execute(sched, ctx)
+            if gate is not None:
+                gate.launched(self.rank, ctx.seq, ctx.op)
+        except PurlinError as e:
+            if self._engine.broken:
+                # The engine's frames in the traceback hold views of the shared mapping: drop their
+                # locals so that the mapping can really be unmapped now.
+                traceback.clear_frames(e.__traceback__)
+                self._release_broken()
+            raise
+
+    def _release_broken(self) -> None:
+        """The engine is broken: free this rank's workspace and tables now (not at garbage collection);
+        later calls raise PurlinBrokenError with the reason. Ranks of a virtual world share one
+        workspace, released by run_virtual."""
+        if self._closed or self._broken_reason:
+            return
+        self._broken_reason = self._engine.broken or "an earlier call failed"
+        if self.group is not None:
+            self.close()
 
     def _check_tensor(self, name: str, what: str, t: Any) -> None:
         if not isinstance(t, torch.Tensor):
@@ -516,12 +606,13 @@ class Communicator:
     def _sizes(self, spec: CollectiveSpec, x: torch.Tensor, in_splits: Any, out_splits: Any):
         """Row counts per input slice and per output slice for this rank."""
         name, n, rows = spec.name, self.world_size, self._rows(x)
+        in_term, out_term = _SPLIT_ARGS.get(name, ("in_splits", "out_splits"))
         if spec.input.sliced:
             if spec.variable:
-                in_rows = self._splits(name, "input splits", in_splits)
+                in_rows = self._splits(name, in_term, in_splits)
                 if sum(in_rows) != rows:
                     raise PurlinValueError(
-                        f"{name}: input splits sum to {sum(in_rows)} rows but x has {rows} rows on rank {self.rank}"
+                        f"{name}: {in_term} sum to {sum(in_rows)} rows but x has {rows} rows on rank {self.rank}"
                     )
             else:
                 if in_splits is not None:
@@ -535,7 +626,7 @@ class Communicator:
             in_rows = (rows,)
         if spec.output.sliced:
             if spec.variable:
-                out_rows = self._splits(name, "output splits", out_splits)
+                out_rows = self._splits(name, out_term, out_splits)
             else:
                 if out_splits is not None:
                     raise PurlinValueError(f"{name}: out_splits is only for V collectives")
@@ -634,6 +725,9 @@ class _Call:
 
 
 _STRIDED = torch.strided
+# The caller's names of the V collectives' split arguments (in messages); run() takes in_splits / out_splits.
+_SPLIT_ARGS = {"all_to_all_v": ("input_splits", "output_splits"), "all_gather_v": ("sizes", "sizes"),
+               "reduce_scatter_v": ("sizes", "sizes")}
 _KEY_OPS = (str, ReduceOp)  # op values the call cache takes (exact types: no subclass can alias a key)
 _NO_KEY = object()
 
@@ -669,6 +763,15 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     Virtual ranks are threads of this process sharing one workspace: host memory on CPU; on
     ``device="cuda"``, loopback ranks on ONE GPU (one allocation, each rank its own thread and
     stream, running the CUDA engine; each rank's stream is synchronized after ``fn`` returns).
+
+    On CUDA, an eager call is launched only once every virtual rank has reached it and returns only
+    once every virtual rank has enqueued it (the launch gate, purlin_sglang/virtual.py), so ``fn``
+    may run ordinary host code between calls: ``.cpu()``, ``.item()``, ``print(tensor)``, new
+    tensors, even ``torch.cuda.synchronize()``. Still unsafe: replaying CUDA graphs that hold
+    collectives (no gate runs inside a graph: launch every rank's replay before blocking any rank's
+    host, as the bench does), capturing in several rank threads at once (torch refuses concurrent
+    captures: serialize them), and host code that waits for another rank's host (a Python barrier
+    of your own inside a call sequence the ranks do not share).
     If any rank raises, the others are released (CPU: their waits fail fast; CUDA: they time
     out) and the first root-cause error is re-raised.
 
@@ -715,6 +818,8 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
             comms[r]._engine.mark_broken(f"rank {r} raised {type(e).__name__}: {e}")
+            if vworld.gate is not None:
+                vworld.gate.fail(r, f"{type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=body, args=(r,), name=f"purlin-vrank{r}", daemon=True)
                for r in range(world_size)]

@@ -45,6 +45,8 @@ class PurlinConfig(BaseModel):
     * ``staging_bytes`` (64 MiB): staging buffer per rank; larger payloads cycle through it.
     * ``memory`` (``auto``): symmetric memory provider: ``auto``, ``ipc``, ``nvshmem``,
       ``torch``, ``loopback`` or ``host``. ``auto`` is ``host`` on CPU.
+    * ``shm_dir`` (``/dev/shm``): where the CPU engine's shared workspace file of a process
+      group is made (a tmpfs; the file is allocated for real and checked for space first).
     * ``deterministic`` (true): reductions in a fixed rank order, bitwise identical on
       every rank and run. Every engine of this version is deterministic; ``false`` is
       reserved for faster non-deterministic paths (none yet).
@@ -57,6 +59,7 @@ class PurlinConfig(BaseModel):
     timeout_s: float = Field(60.0, gt=0, le=86400)
     staging_bytes: int = Field(64 * MiB, ge=4096, le=1 << 40)
     memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
+    shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)

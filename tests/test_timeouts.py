@@ -154,7 +154,8 @@ def test_all_to_all_v_splits_that_disagree_with_the_peer_mismatch(late):
 
     errs = disagree(call, late=late)
     assert isinstance(errs[1], PurlinMismatchError), errs
-    assert "rank 0 sends 16 bytes to rank 1, which expects 8 bytes" in str(errs[1]), errs[1]
+    assert ("rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 expects 1 row from rank 0 "
+            "(its output_splits[0])") in str(errs[1]), errs[1]
     assert "split sizes disagree" in str(errs[1])
 
 

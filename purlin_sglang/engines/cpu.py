@@ -57,6 +57,28 @@ class CallContext:
         return self._out
 
 
+# How each V collective's caller names the sizes a sender and a receiver give for one pair of ranks
+# (api.Communicator's parameter names); other namings are run with run(in_splits=, out_splits=).
+_SPLIT_TERMS = {
+    "all_to_all_v": ("input_splits[{c}]", "output_splits[{p}]"),
+    "all_gather_v": ("sizes[{p}]", "sizes[{p}]"),
+    "reduce_scatter_v": ("sizes[{c}]", "sizes[{c}]"),
+}
+
+
+def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int) -> str:
+    """The message for producer ``p`` sending ``sent`` bytes to consumer ``c``, which expects ``expected``:
+    in rows, with the caller's argument names."""
+    x = ctx.x
+    row = x.element_size() * (int(torch.Size(x.shape[1:]).numel()) if x.dim() else 1)
+    send_term, recv_term = _SPLIT_TERMS.get(ctx.op, ("in_splits[{c}]", "out_splits[{p}]"))
+    def rows(n: int) -> str:
+        return f"{n // row} row{'s' if n // row != 1 else ''}" if row and n % row == 0 else f"{n} bytes"
+    return (f"{ctx.op}: rank {p} sends {rows(sent)} to rank {c} (its {send_term.format(p=p, c=c)}), but rank {c} "
+            f"expects {rows(expected)} from rank {p} (its {recv_term.format(p=p, c=c)}) in call #{ctx.seq}; the split "
+            "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
@@ -106,10 +128,8 @@ class CpuEngine:
                 "collectives, dtypes, roots or sizes; every rank must make the same calls in the same order",
                 op=ctx.op, rank=self.rank, peer=peer))
         if sent_to_me != sched.recv_bytes[peer]:
-            self._fail(PurlinMismatchError(
-                f"{ctx.op}: rank {peer} sends {sent_to_me} bytes to rank {self.rank}, which expects "
-                f"{sched.recv_bytes[peer]} bytes (call #{ctx.seq}); the split sizes disagree between ranks",
-                op=ctx.op, rank=self.rank, peer=peer))
+            self._fail(PurlinMismatchError(split_mismatch(ctx, peer, self.rank, sent_to_me, sched.recv_bytes[peer]),
+                                           op=ctx.op, rank=self.rank, peer=peer))
         return True
 
     def _fail(self, err: PurlinError) -> None:

@@ -2,8 +2,12 @@
 
 Two forms share one layout: ``HostWorkspace.private`` (one process, virtual ranks
 in threads) and ``HostWorkspace.shared`` (separate processes on one host, a file
-under /dev/shm mapped by every rank and unlinked as soon as all have mapped it,
-so nothing leaks if a process dies).
+under /dev/shm mapped by every rank and unlinked as soon as all have mapped it).
+
+The shared file is allocated for real (``posix_fallocate``) after a free-space check, so a
+small /dev/shm (a container's 64 MiB default) is a clear error at construction instead of a
+SIGBUS at the first large call. A file whose creator died before every peer mapped it is
+removed by the next construction on the host (:func:`remove_stale`).
 
 Ordering: signal words are 8-byte aligned int64 stores by one writer; staging
 data is written before the signal that publishes it. This relies on the host's
@@ -12,8 +16,10 @@ total store order (x86-64); other hosts are not supported by the process form.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import re
 import uuid
 
 import numpy as np
@@ -23,6 +29,64 @@ from ..errors import PurlinUnavailableError
 from .layout import MAGIC, VERSION, WorkspaceLayout
 
 SHM_DIR = "/dev/shm"
+_STALE = re.compile(r"^purlin-(\d+)-[0-9a-f]{12}$")  # purlin-<creator pid>-<random>
+
+
+def shm_free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def shm_space_error(need: int, free: int, directory: str) -> PurlinUnavailableError:
+    """The error for a shared-memory file system too small for the workspace (names the fix)."""
+    return PurlinUnavailableError(
+        f"Communicator: the host workspace needs {_mib(need)} ({need} bytes) in {directory}, but only "
+        f"{_mib(free)} is free; fix: give the container a larger {directory} (docker run --shm-size=..., "
+        f"e.g. --shm-size={max(1, -(-need // (1 << 30)) + 1)}g), lower staging_bytes (the workspace is about "
+        "world x staging_bytes), or set shm_dir to a larger tmpfs")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Remove workspace files in ``directory`` whose creating process no longer exists.
+
+    A file lives only between its creation and the moment every rank has mapped it; one left
+    behind means its creator died in between (killed during ``Communicator(...)``). Only this
+    user's files named by this module are touched, and only when their creator's pid is not alive
+    (in this pid namespace). Returns the removed names."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _STALE.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 class HostWorkspace:
@@ -59,14 +123,37 @@ class HostWorkspace:
         return ws
 
     @classmethod
-    def create_shared(cls, layout: WorkspaceLayout) -> tuple["HostWorkspace", str]:
-        if not os.path.isdir(SHM_DIR):
-            raise PurlinUnavailableError(f"memory='host' across processes needs {SHM_DIR}, which is missing")
-        path = os.path.join(SHM_DIR, f"purlin-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def create_shared(cls, layout: WorkspaceLayout, directory: str = SHM_DIR) -> tuple["HostWorkspace", str]:
+        """Create, allocate and map the shared file (rank 0). Every failure is a PurlinUnavailableError
+        and leaves no file behind."""
+        if not os.path.isdir(directory):
+            raise PurlinUnavailableError(f"memory='host' across processes needs {directory}, which is missing")
+        remove_stale(directory)
+        need = layout.total_bytes
+        free = shm_free_bytes(directory)
+        if free < need:
+            raise shm_space_error(need, free, directory)
+        path = os.path.join(directory, f"purlin-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
-            os.ftruncate(fd, layout.total_bytes)
-            mm = mmap.mmap(fd, layout.total_bytes)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise PurlinUnavailableError(f"Communicator: cannot create the host workspace {path}: {e}") from e
+        try:
+            try:
+                _allocate(fd, need)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise shm_space_error(need, shm_free_bytes(directory), directory) from e
+                raise
+            mm = mmap.mmap(fd, need)
+        except PurlinUnavailableError:
+            unlink_shared(path)
+            raise
+        except (OSError, ValueError) as e:
+            unlink_shared(path)
+            raise PurlinUnavailableError(
+                f"Communicator: cannot map the {_mib(need)} host workspace {path}: {e} (a virtual-memory limit, "
+                "ulimit -v, or a full file system); lower staging_bytes or raise the limit") from e
         finally:
             os.close(fd)
         ws = cls(layout, mm, mapping=mm)
@@ -81,6 +168,10 @@ class HostWorkspace:
             raise PurlinUnavailableError(f"cannot open the host workspace {path}: {e}") from e
         try:
             mm = mmap.mmap(fd, layout.total_bytes)
+        except (OSError, ValueError) as e:
+            raise PurlinUnavailableError(
+                f"cannot map the {_mib(layout.total_bytes)} host workspace {path}: {e} (a virtual-memory limit, "
+                "ulimit -v?); lower staging_bytes or raise the limit") from e
         finally:
             os.close(fd)
         ws = cls(layout, mm, mapping=mm)
@@ -101,6 +192,18 @@ class HostWorkspace:
                 pass  # a tensor view is still alive; the mapping goes with it
             self._mapping = None
         self._buffer = None
+
+
+def _allocate(fd: int, nbytes: int) -> None:
+    """Give the file ``nbytes`` of real pages (a sparse file would fail later, with SIGBUS)."""
+    if nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # a file system without fallocate: checked for space above
 
 
 def unlink_shared(path: str) -> None:

@@ -7,14 +7,64 @@ CPU (gloo) process group and raises on EVERY rank if any rank failed, naming the
 and why. So no rank enters a collective (a rendezvous, an NVSHMEM init) that a peer will not
 enter, and every rank raises the same error instead of waiting.
 
+Every set-up wait is bounded: inside :func:`bounded` (``Communicator`` wraps its whole
+construction in it, with its ``timeout_s``), each phase first meets the other ranks at a gloo
+``monitored_barrier`` with that timeout, so a rank that never arrives is a
+:class:`PurlinTimeoutError` naming it (on the rank that sees who is missing: the group's rank 0)
+instead of a wait for the process group's own timeout (30 minutes for gloo). Groups of other
+backends are not bounded this way (monitored_barrier is gloo-only).
+
 Imports nothing from CUDA; torch.distributed is imported on first use.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+import re
+from datetime import timedelta
+from typing import Any, Iterator
 
-from ..errors import PurlinError, PurlinUnavailableError, PurlinValueError
+from ..errors import PurlinError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
+
+_TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("purlin_setup_timeout_s", default=None)
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+@contextlib.contextmanager
+def bounded(timeout_s: float | None) -> Iterator[None]:
+    """Within this block, every set-up phase waits at most ``timeout_s`` for the other ranks."""
+    token = _TIMEOUT.set(timeout_s)
+    try:
+        yield
+    finally:
+        _TIMEOUT.reset(token)
+
+
+def arrive(op: str, group, world: int) -> None:
+    """Meet every rank of ``group`` within the set-up timeout (no-op outside :func:`bounded`, for
+    one rank, or for a group whose backend is not gloo); else raise PurlinTimeoutError."""
+    timeout_s = _TIMEOUT.get()
+    if timeout_s is None or world <= 1:
+        return
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    if dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        me = dist.get_rank(group)
+        m = _MISSING.search(str(e))
+        missing = [int(v) for v in m.group(1).replace(" ", "").split(",") if v] if m else []
+        who = (f"rank(s) {missing} never arrived" if missing else
+               "rank 0 did not confirm that every rank arrived (its own error names the missing ranks)")
+        raise PurlinTimeoutError(
+            f"{op}: set-up waited {timeout_s:g}s (timeout_s) on rank {me}: {who}; every rank must construct "
+            "the Communicator together (a rank that crashed or took another code path?)",
+            op=op, rank=me, missing=missing) from None
 
 
 class _Fail(Exception):
@@ -70,7 +120,7 @@ def check_create_args(op: str, group, layout_nbytes: Any, device_index: Any, ran
     check_membership(op, group, rank, world)
 
 
-def gather_status(group, world: int, mine: tuple) -> list:
+def gather_status(group, world: int, mine: tuple, op: str = "set-up") -> list:
     """All-gather one status per rank (a collective that is also the barrier of a set-up phase).
 
     ``mine`` is ``("ok", payload)`` or ``("error", kind, message)``. Every rank gets the same
@@ -78,6 +128,7 @@ def gather_status(group, world: int, mine: tuple) -> list:
     """
     import torch.distributed as dist
 
+    arrive(op, group, world)
     got: list = [None] * world
     dist.all_gather_object(got, mine, group=group)
     return got
@@ -103,7 +154,7 @@ def agree(op: str, group, world: int, mine: tuple) -> list:
 
     Collective over ``group``; blocks the host. Returns every rank's payload, in rank order.
     """
-    statuses = gather_status(group, world, mine)
+    statuses = gather_status(group, world, mine, op)
     raise_failures(op, statuses)
     return [s[1] for s in statuses]
 

@@ -1,0 +1,95 @@
+"""Loopback virtual ranks run ordinary user code: a rank function that blocks its host right after a
+collective (``.cpu()``, ``.item()``, ``print(tensor)``, a new tensor, ``torch.cuda.synchronize()``)
+must not time out (issue: reliability, case 6). Random collectives, fresh worlds, every result checked
+against the CPU engine bitwise. And a rank that never launches is named, with where its thread was."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
+import purlin_sglang as ps  # noqa: E402
+from _torch_reference import COLLECTIVES, REDUCING, case, case_call, case_inputs  # noqa: E402
+from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
+SEED = int.from_bytes(os.urandom(3), "little")
+CFG = {"staging_bytes": 1 << 20, "timeout_s": 8}
+
+
+def _cases(rng: random.Random, world: int, n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        coll = rng.choice(COLLECTIVES)
+        dtype = rng.choice([torch.float32, torch.bfloat16]) if coll in REDUCING else rng.choice(
+            [torch.float32, torch.bfloat16, torch.int32])
+        out.append(case(coll, dtype, rows=rng.choice([1, 3, 64, 1000]), width=rng.choice([1, 7, 128]),
+                        seed=SEED + i, root=rng.randrange(world), salt=world))
+    return out
+
+
+def _run_cases(world: int, cases: list[dict], device: str, block: bool):
+    def fn(comm):
+        got = []
+        for j, c in enumerate(cases):
+            x = case_inputs(c, world)[comm.rank].to(comm.device)  # a new device tensor between calls
+            y = case_call(comm, c, x, None)
+            if block:  # what users write: each of these blocks the rank's host right after the call
+                kind = (j + comm.rank) % 4
+                if kind == 0:
+                    y = y.cpu()
+                elif kind == 1:
+                    _ = y.float().sum().item() if y.numel() else 0
+                elif kind == 2:
+                    print(f"rank {comm.rank} call {j}: {y.flatten()[:2]}")
+                else:
+                    torch.cuda.synchronize()
+            got.append(y.cpu())
+        return got
+
+    return ps.run_virtual(world, fn, device=device, config=CFG)
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_blocking_host_code_in_rank_threads(trial, capsys):
+    rng = random.Random(SEED * 31 + trial)
+    world = rng.choice([2, 3, 4, 8])
+    cases = _cases(rng, world, 6)
+    got = _run_cases(world, cases, "cuda", block=True)  # a fresh world each trial
+    want = _run_cases(world, cases, "cpu", block=False)
+    for r in range(world):
+        for j, (g, w) in enumerate(zip(got[r], want[r])):
+            assert g.dtype == w.dtype and g.shape == w.shape, (SEED, r, j, cases[j])
+            assert torch.equal(g.view(torch.uint8) if g.numel() else g, w.view(torch.uint8) if w.numel() else w), (
+                SEED, r, j, cases[j])
+    assert "call 0" in capsys.readouterr().out or world * 6 < 4
+
+
+def test_a_rank_that_never_launches_is_named():
+    def fn(comm):
+        if comm.rank == 2:
+            return None  # returns without making the call its peers make
+        return comm.all_reduce(torch.ones(16, device=comm.device)).cpu()
+
+    with pytest.raises(PurlinTimeoutError) as info:
+        ps.run_virtual(3, fn, device="cuda", config={"staging_bytes": 1 << 20, "timeout_s": 2})
+    assert info.value.missing == (2,) and "rank 2 never reached it" in str(info.value), info.value
+
+
+def test_ranks_in_different_calls_get_a_mismatch_naming_both():
+    def fn(comm):
+        x = torch.ones(8, device=comm.device)
+        return (comm.all_reduce(x) if comm.rank == 0 else comm.all_gather(x)).cpu()
+
+    with pytest.raises(ps.PurlinMismatchError) as info:
+        ps.run_virtual(2, fn, device="cuda", config={"staging_bytes": 1 << 20, "timeout_s": 5})
+    msg = str(info.value)
+    assert "entered call #1" in msg and "all_reduce(dtype=float32, shape=(8,))" in msg and "all_gather(" in msg, msg

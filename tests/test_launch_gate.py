@@ -1,0 +1,108 @@
+"""The loopback launch gate (purlin_sglang/virtual.py) on its own, with plain threads: the two
+rendezvous of a call, a rank that never comes named with its stack, a failed rank releasing the rest.
+Its effect on the CUDA engine is tested in tests/gpu/test_loopback_host_code.py."""
+
+import threading
+import time
+
+import pytest
+
+from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
+from purlin_sglang.virtual import LaunchGate
+
+
+def _run(world, body):
+    errors, threads = [None] * world, []
+
+    def wrap(r):
+        try:
+            body(r)
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+
+    for r in range(world):
+        threads.append(threading.Thread(target=wrap, args=(r,), name=f"purlin-vrank{r}"))
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
+def test_no_rank_launches_before_all_reached_and_none_returns_before_all_launched():
+    world, calls = 4, 5
+    gate, log, lock = LaunchGate(world, 10), [], threading.Lock()
+
+    def body(r):
+        for seq in range(1, calls + 1):
+            time.sleep(0.001 * ((r * 7 + seq) % 4))  # ranks arrive in a different order every call
+            with lock:
+                log.append(("reach", seq, r))
+            gate.enter(r, seq, "all_reduce")
+            with lock:
+                log.append(("launch", seq, r))
+            gate.launched(r, seq, "all_reduce")
+            with lock:
+                log.append(("return", seq, r))
+
+    assert _run(world, body) == [None] * world
+    for seq in range(1, calls + 1):
+        first_launch = min(i for i, e in enumerate(log) if e[:2] == ("launch", seq))
+        last_launch = max(i for i, e in enumerate(log) if e[:2] == ("launch", seq))
+        first_return = min(i for i, e in enumerate(log) if e[:2] == ("return", seq))
+        last_reach = max(i for i, e in enumerate(log) if e[:2] == ("reach", seq))
+        assert last_reach < first_launch  # nobody launches before every rank reached the call
+        assert last_launch < first_return  # nobody returns before every rank launched
+
+
+def test_a_rank_that_never_comes_is_named_with_where_it_is():
+    gate = LaunchGate(3, 0.5)
+    stop = threading.Event()
+
+    def body(r):
+        if r == 2:
+            stop.wait(5)  # somewhere else entirely
+            return
+        gate.enter(r, 1, "all_gather")
+
+    t0 = time.monotonic()
+    errors = _run(3, body)
+    stop.set()
+    assert time.monotonic() - t0 < 10
+    for r in (0, 1):
+        e = errors[r]
+        assert isinstance(e, PurlinTimeoutError) and e.missing == (2,), e
+        assert "for call #1: rank 2 never reached it" in str(e) and "purlin-vrank2" in str(e) and "stop.wait" in str(e), e
+
+
+def test_a_failed_rank_releases_the_others_at_once():
+    gate = LaunchGate(3, 20)
+
+    def body(r):
+        if r == 1:
+            gate.fail(1, "ValueError: bad input")
+            return
+        gate.enter(r, 1, "broadcast")
+
+    t0 = time.monotonic()
+    errors = _run(3, body)
+    assert time.monotonic() - t0 < 5
+    for r in (0, 2):
+        assert isinstance(errors[r], PurlinBrokenError) and "rank 1 failed before it reached call #1" in str(errors[r]), errors[r]
+
+
+def test_ranks_in_different_calls_are_told_both_sides():
+    gate = LaunchGate(2, 10)
+
+    def body(r):
+        gate.enter(r, 1, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+        if r == 0:
+            gate.enter(r, 2, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+        else:
+            gate.enter(r, 2, "all_gather", 22, "all_gather(dtype=bfloat16, shape=(2, 3))")
+
+    errors = _run(2, body)
+    for r in (0, 1):
+        e = errors[r]
+        assert isinstance(e, PurlinMismatchError) and e.peer == 1 - r, e
+        assert f"rank {r} and rank {1 - r} entered call #2" in str(e), e
+        assert "all_reduce(dtype=float32, shape=(4,))" in str(e) and "all_gather(dtype=bfloat16, shape=(2, 3))" in str(e)
