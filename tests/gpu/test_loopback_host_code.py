@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import COLLECTIVES, REDUCING, case, case_call, case_inputs  # noqa: E402
+from _torch_reference import COLLECTIVES, REDUCING, case, case_call, case_expected, case_inputs  # noqa: E402
 from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
 
 pytestmark = [
@@ -67,6 +67,8 @@ def test_blocking_host_code_in_rank_threads(trial, capsys):
     want = _run_cases(world, cases, "cpu", block=False)
     for r in range(world):
         for j, (g, w) in enumerate(zip(got[r], want[r])):
+            if not case_expected(cases[j], world, r, case_inputs(cases[j], world))[1]:
+                continue  # a rooted output off its root is not written (its contents are unspecified)
             assert g.dtype == w.dtype and g.shape == w.shape, (SEED, r, j, cases[j])
             assert torch.equal(g.view(torch.uint8) if g.numel() else g, w.view(torch.uint8) if w.numel() else w), (
                 SEED, r, j, cases[j])
