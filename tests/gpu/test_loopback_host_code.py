@@ -72,7 +72,7 @@ def test_blocking_host_code_in_rank_threads(trial, capsys):
             assert g.dtype == w.dtype and g.shape == w.shape, (SEED, r, j, cases[j])
             assert torch.equal(g.view(torch.uint8) if g.numel() else g, w.view(torch.uint8) if w.numel() else w), (
                 SEED, r, j, cases[j])
-    assert "call 0" in capsys.readouterr().out or world * 6 < 4
+    assert ": tensor(" in capsys.readouterr().out  # the prints in rank threads ran
 
 
 def test_a_rank_that_never_launches_is_named():
