@@ -80,11 +80,6 @@ def _check_group(group: Any) -> Any:
     return group
 
 
-def _problem_text(e: BaseException) -> str:
-    """A set-up failure of this rank as the text its peers are told."""
-    return str(e) if isinstance(e, PurlinError) else f"{type(e).__name__}: {e}"
-
-
 class _VirtualWorld:
     """Shared state of N virtual ranks in one process: host memory (CPU) or one loopback GPU allocation."""
 
@@ -183,7 +178,7 @@ class Communicator:
                 try:
                     ws, path = HostWorkspace.create_shared(layout, self.config.shm_dir)
                 except Exception as e:  # noqa: BLE001 - reported to every rank below
-                    problem = ("unavailable", _problem_text(e))
+                    problem = ("unavailable", setup_phase.as_status(e)[2])
                 box = [(path, self.config.staging_bytes)]
             else:
                 box = [None]
@@ -198,7 +193,7 @@ class Communicator:
                     try:
                         ws = HostWorkspace.open_shared(layout, path_seen)
                     except Exception as e:  # noqa: BLE001 - reported to every rank below
-                        problem = ("unavailable", _problem_text(e))
+                        problem = ("unavailable", setup_phase.as_status(e)[2])
             problems = setup_phase.gather_status(group, world, problem, "Communicator")
         finally:
             if path is not None:
