@@ -10,6 +10,7 @@
 #   when the same sources are already installed on a warm machine);
 #   core     tp1-nccl, tp2-gloo-ref, tp2-purlin-eager, tp1-purlin-yaml, tp2-purlin-graph (the runs below,
 #            most important first, for a short call)
+#   tp1ab    TP=1 throughput A/B, interleaved: default, purlin (flag), default, purlin (YAML); 128 output tokens
 #   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
 #            CUDA graphs on; purlin's tokens checked against the default's
 #   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
@@ -123,6 +124,16 @@ if has core; then  # the shortest path through the issue's runs, most important 
   serve tp1-purlin-yaml 1 purlin true tp1-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
   serve tp2-purlin-graph 2 purlin true tp2-gloo-ref -- --mem-fraction-static 0.25 \
     --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph
+fi
+if has tp1ab; then  # TP=1 throughput A/B, interleaved (the first server on a fresh machine ran slow): default,
+  # purlin by flag, default, purlin by YAML; longer batches (TP1AB_OT output tokens, 5 repeats)
+  OT0=$OT R0=$REPEATS; OT=${TP1AB_OT:-128}; REPEATS=5
+  serve tp1-nccl-a 1 nccl true "" -- --mem-fraction-static 0.6
+  serve tp1-purlin-flag-a 1 purlin true tp1-nccl-a -- --mem-fraction-static 0.6 --comm-backend purlin \
+    --purlin-config configs/purlin.yaml
+  serve tp1-nccl-b 1 nccl true "" -- --mem-fraction-static 0.6
+  serve tp1-purlin-yaml-b 1 purlin true tp1-nccl-b -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
+  OT=$OT0 REPEATS=$R0
 fi
 if has tp1; then
   serve tp1-nccl 1 nccl true "" -- --mem-fraction-static 0.6
