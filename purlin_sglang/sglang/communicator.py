@@ -25,7 +25,7 @@ import torch
 
 from ..api import Communicator
 from ..engines.cpu import REDUCE_DTYPES
-from .routing import PluginConfig
+from .routing import PluginConfig, deterministic_inference, for_deterministic_inference
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ class PurlinGroupCommunicator:
             self._comm = Communicator(group, self.device, config=self.config.purlin)
             self.device = self._comm.device  # normalized ("cuda" -> "cuda:N")
             self.disabled = False
+            if deterministic_inference():
+                self.routing, notes = for_deterministic_inference(self.routing)
+                if notes and self.rank == 0:
+                    logger.info("purlin[%s]: deterministic inference: reductions stay on purlin at every size "
+                                "(batch-invariant): %s", self.name, "; ".join(notes))
 
     @property
     def engine(self) -> str:

@@ -66,6 +66,37 @@ class RoutingTable(BaseModel):
         return self.groups is None or group_name in self.groups
 
 
+REDUCE_OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_v")
+UNBOUNDED = 1 << 62
+
+
+def deterministic_inference() -> bool:
+    """True when SGLang runs with ``--enable-deterministic-inference`` (it sets
+    ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE`` before any group exists; the variable alone counts too)."""
+    import os
+
+    return os.environ.get("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def for_deterministic_inference(table: RoutingTable) -> tuple[RoutingTable, list[str]]:
+    """The routing table under deterministic inference: every enabled reduce op admits every size.
+
+    Every purlin algorithm accumulates in float32 in rank order, so a row's result is the same
+    bitwise whatever the batch around it (tests/test_batch_invariance.py); a size threshold would
+    send some batches to NCCL, whose reduction order follows its algorithm and chunking. An op the
+    config switched off stays off (the user's choice; SGLang's own deterministic path runs it).
+    Returns the table and one line per op that changed or stayed off, for the log."""
+    changes, notes = {}, []
+    for op in REDUCE_OPS:
+        r = table.route(op)
+        if not r.enabled:
+            notes.append(f"{op} stays off (routing.{op}.enabled: false)")
+        elif r.min_bytes != 0 or r.max_bytes < UNBOUNDED:
+            changes[op] = OpRoute(enabled=True, min_bytes=0, max_bytes=UNBOUNDED)
+            notes.append(f"{op} every size (was {r.min_bytes}..{r.max_bytes} bytes)")
+    return (table.model_copy(update=changes) if changes else table), notes
+
+
 class PluginConfig(BaseModel):
     """What ``--purlin-config`` holds: the communicator's config and the routing table."""
 

@@ -192,6 +192,37 @@ def communicator_alone(rank: int, world: int) -> dict:
     return facts
 
 
+def communicator_deterministic(rank: int, world: int) -> dict:
+    """Under SGLANG_ENABLE_DETERMINISTIC_INFERENCE=1 (what --enable-deterministic-inference sets) the
+    reduce ops stay on purlin at every size; the other ops keep their thresholds."""
+    import os
+
+    import torch.distributed as dist
+
+    from purlin_sglang.sglang.communicator import PurlinGroupCommunicator
+    from purlin_sglang.sglang.routing import PluginConfig
+
+    os.environ["SGLANG_ENABLE_DETERMINISTIC_INFERENCE"] = "1"
+    cfg = PluginConfig.from_dict({"staging_bytes": 1 << 20, "routing": {
+        "all_reduce": {"max_bytes": 1024}, "reduce_scatter": {"min_bytes": 1 << 20}, "all_gather": {"max_bytes": 64},
+        "reduce_scatter_v": {"enabled": False}}})
+    pc = PurlinGroupCommunicator(dist.group.WORLD, "cpu", cfg, name="det")
+    big = torch.randn(256, 8, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
+    got_big = pc.all_reduce(big)                                   # 4 KiB: above the configured max_bytes
+    assert got_big is not None
+    alone = pc.all_reduce(big[:1].clone())                         # the same row alone: bitwise the same
+    assert alone is not None and torch.equal(alone[0].view(torch.int16), got_big[0].view(torch.int16))
+    out = torch.empty((2, 8), dtype=torch.bfloat16)
+    assert pc.reduce_scatter(out, big[: 2 * world].clone()) is out   # below the configured min_bytes
+    whole = pc.all_reduce(big[: 2 * world].clone())               # reduce_scatter == a slice of all_reduce
+    assert torch.equal(out.view(torch.int16), whole[2 * rank: 2 * rank + 2].view(torch.int16))
+    assert pc.all_gather(torch.empty((world * 4, 8), dtype=torch.bfloat16), big[:4].clone()) is None  # still bounded
+    facts = {"fallbacks": {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()},
+             "reduce_scatter_v": pc.routing.route("reduce_scatter_v").enabled}
+    pc.destroy()
+    return facts
+
+
 # -- SGLang's competing all-reduce paths (conflicts.py) ------------------------------------------
 CONFLICT_LEAVES = {"disable_custom_all_reduce": False, "enable_mscclpp": True, "enable_torch_symm_mem": True,
                    "flashinfer_allreduce_fusion_backend": "trtllm"}
