@@ -16,8 +16,10 @@
 #   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
 #            gloo cannot be captured), then purlin with graphs off, then purlin with decode CUDA graphs on
 #            (the prefill "breakable" graph, SGLang's CUDA default, stays off there)
-#   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs on
+#   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs off, purlin graphs on
+#   tp4p     only the two purlin TP=4 runs (the reference from an earlier call, compared afterwards)
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
+#            (OFFLINE_TP2=0: TP=1 only); each bounded by the time left before DEADLINE
 #   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
 # Knobs: MODEL (configs/models/olmo-dense-8l; the Llama one needs cutlass, see docs/SGLANG.md), PROMPTS (16), OT output tokens (32), REPEATS (3),
 #   DEADLINE seconds after which no new step starts (470; give the call 600), WAIT seconds for a server to be ready (240).
@@ -100,6 +102,8 @@ serve() {
   [ "$graph" = true ] || extra+=(--disable-cuda-graph)
   local cmd=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size "$tp" --port "$port"
              "${COMMON[@]}" "${extra[@]}" "$@")
+  # a purlin server needs the build finished before it starts (the plugin is imported at start-up)
+  if [ "$backend" = purlin ] && [ -n "$BUILD_PID" ]; then wait $BUILD_PID; BUILD_PID=""; fi
   say "$name: ${cmd[*]}"
   setsid "${cmd[@]}" > "$log" 2>&1 &
   local pid=$! wait_s=$WAIT
@@ -153,6 +157,12 @@ for tp in 2 4; do
     serve tp$tp-purlin $tp purlin true tp$tp-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
   fi
 done
+if has tp4p; then  # the purlin TP=4 runs alone (their gloo reference from an earlier call; compare locally)
+  serve tp4-purlin-eager 4 purlin false tp4-gloo-ref -- --mem-fraction-static 0.14 \
+    --config configs/purlin-sglang-nccl-free.yaml
+  [ "${TP4_GRAPH:-1}" = 1 ] && serve tp4-purlin-graph 4 purlin true tp4-gloo-ref -- --mem-fraction-static 0.14 \
+    --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph
+fi
 if has moe; then
   M0=$MODEL; MODEL=configs/models/qwen3-moe-4l
   serve moe-tp1-nccl 1 nccl false "" -- --mem-fraction-static 0.5
@@ -167,14 +177,16 @@ if has offline; then
   SG=(-- --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache
       --cuda-graph-max-bs-decode 16 --random-seed 42)
   if [ "$(left)" -gt 120 ]; then
+    OFFT=$(( $(left) + 40 )); [ $OFFT -gt 560 ] && OFFT=560
     say "offline tp1: ${OFF[*]} --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml"
-    timeout 560 "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \
+    timeout $OFFT "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \
       "${SG[@]}" --mem-fraction-static 0.6 > "$LOGS/offline-tp1.txt" 2>&1; say "offline tp1 rc=$?"
     tail -14 "$LOGS/offline-tp1.txt" >> "$OUT/summary.txt"; cp "$LOGS/offline-tp1/offline.png" "$OUT/offline-tp1.png" 2>/dev/null
   else say "offline tp1: skipped (deadline)"; fi
-  if [ "$(left)" -gt 120 ]; then
+  if [ "${OFFLINE_TP2:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
+    OFFT=$(( $(left) + 40 )); [ $OFFT -gt 560 ] && OFFT=560
     say "offline tp2: ${OFF[*]} --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml"
-    timeout 560 "${OFF[@]}" --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml \
+    timeout $OFFT "${OFF[@]}" --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml \
       --out "$LOGS/offline-tp2" "${SG[@]}" --mem-fraction-static 0.25 --disable-cuda-graph > "$LOGS/offline-tp2.txt" 2>&1
     say "offline tp2 rc=$?"; tail -14 "$LOGS/offline-tp2.txt" >> "$OUT/summary.txt"
     cp "$LOGS/offline-tp2/offline.png" "$OUT/offline-tp2.png" 2>/dev/null
