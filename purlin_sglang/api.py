@@ -362,19 +362,29 @@ class Communicator:
         ``dtype=torch.float8_e4m3fn``: FP8 rows with per-token float32 scales in ``.scales``.
 
         Collective. CPU: blocks the host. CUDA: see docs/DESIGN.md (MoE) for what it blocks and
-        what is capturable. Bad arguments raise PurlinValueError naming the argument.
+        what is capturable. Bad arguments raise PurlinValueError naming the argument; in eager mode
+        the peers learn of it in the call's header exchange and raise too (naming the rank), so a bad
+        call on one rank costs no timeout and the communicator stays usable. Under graph capture
+        the error is this rank's alone (no host exchange there).
         """
         self._check_usable("moe_dispatch")
         cuda = self.engine_name == "cuda"
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         from .moe.validate import check_dispatch
 
-        quant = check_dispatch(x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
-                               self.device, check_values=not cuda)  # CUDA checks the ids itself (eager only)
-        if cuda:
-            return self._moe_engine().dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
         from .engines import cpu_moe
 
+        try:
+            quant = check_dispatch(x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
+                                   self.device, check_values=not cuda)  # CUDA checks the ids itself (eager only)
+        except PurlinValueError as e:  # tell the peers (eager): every rank raises, the communicator stays usable
+            if capturing:
+                raise
+            if cuda:
+                self._moe_engine().reject(e)
+            cpu_moe.reject(self, "moe_dispatch", e)
+        if cuda:
+            return self._moe_engine().dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
         plan = self._moe_plan("dispatch", num_experts, capacity, quant)
         return cpu_moe.dispatch(self, plan, x, topk_ids, topk_weights, id(self))
 

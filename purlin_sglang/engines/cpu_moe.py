@@ -19,20 +19,34 @@ _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
 
 
-def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int, to_device=None, to_host=None) -> list[int]:
-    """All-gather (values..., tokens) of every rank; raise PurlinValueError on every rank if the
-    ranks disagree on a value. Returns every rank's tokens. ``to_device`` / ``to_host``: how the
-    engine moves small int64 vectors between host and device (default: plain torch copies)."""
-    vals = list(values) + [tokens]
+def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int, to_device=None, to_host=None,
+                    error: Exception | None = None) -> list[int]:
+    """All-gather (status, values..., tokens) of every rank; raise PurlinValueError on every rank if a
+    rank rejected its own arguments (``error``: that rank raises it, the others name that rank) or the
+    ranks disagree on a value. Returns every rank's tokens. ``to_device`` / ``to_host``: how the engine
+    moves small int64 vectors between host and device (default: plain torch copies)."""
+    vals = [1] + [0] * (len(values) + 1) if error is not None else [0] + list(values) + [tokens]
     mine = to_device(vals) if to_device is not None else torch.tensor(vals, dtype=torch.int64, device=comm.device)
     got = comm.all_gather(mine)
     seen = (to_host(got) if to_host is not None else got.cpu()).view(comm.world_size, -1)
+    bad = [q for q in range(comm.world_size) if int(seen[q, 0])]
+    if bad:
+        if error is not None:
+            raise error
+        raise PurlinValueError(f"{op}: rank(s) {bad} rejected their arguments (their error names the argument); "
+                               "every rank skipped this call and the communicator stays usable")
     for i, name in enumerate(_HEADER_FIELDS[: len(values)]):
-        col = seen[:, i].tolist()
+        col = seen[:, i + 1].tolist()
         if any(v != col[0] for v in col):
             raise PurlinValueError(f"{op}: the ranks disagree on {name}: {col} (rank order); every rank must "
                                    "call with the same value")
     return seen[:, -1].tolist()
+
+
+def reject(comm, op: str, error: Exception, to_device=None, to_host=None) -> None:
+    """This rank's arguments are bad: tell the peers (they are in :func:`exchange_header`) and raise."""
+    exchange_header(comm, op, (0,) * len(_HEADER_FIELDS), 0, to_device, to_host, error=error)
+    raise error  # not reached: exchange_header raises it
 
 
 def overflow(plan: MoEPlan, matrix: torch.Tensor) -> PurlinCapacityError | None:

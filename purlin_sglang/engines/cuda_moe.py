@@ -38,7 +38,7 @@ from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
 from ..moe.dispatch import MoEDispatch
 from ..moe.routing import quantize_fp8, route, send_positions
 from ..moe.validate import check_id_range
-from .cpu_moe import _DTYPE_CODE, exchange_header, overflow
+from .cpu_moe import _DTYPE_CODE, exchange_header, overflow, reject
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
@@ -230,10 +230,9 @@ class CudaMoE:
         self.check()
 
     # -- calls -----------------------------------------------------------------------------------------
-    def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
-        self.check(fatal_only=True)
+    def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> None:
+        """This engine's limits and (eager) the id range: PurlinValueError naming the argument."""
         op = "moe_dispatch"
-        world, local = self.world, num_experts // self.world
         t_n, k_n = ids.shape
         hidden = x.shape[1]
         if t_n > self.max_tokens:
@@ -243,14 +242,32 @@ class CudaMoE:
             raise PurlinValueError(f"{op}: topk_ids has {k_n} columns; the CUDA engine supports top-k <= 32")
         if num_experts > MAX_EXPERTS:
             raise PurlinValueError(f"{op}: num_experts={num_experts}; the CUDA engine supports at most {MAX_EXPERTS}")
-        elem = 1 if quant == "fp8" else x.element_size()
-        payload_bytes = hidden * elem
+        payload_bytes = hidden * (1 if quant == "fp8" else x.element_size())
         if (hidden * x.element_size()) % 16 or payload_bytes % 16:
             raise PurlinValueError(f"{op}: x rows of {hidden} elements are not a multiple of 16 bytes "
                                    f"({'fp8' if quant == 'fp8' else x.dtype}); the CUDA engine moves 16-byte vectors")
         if not capturing and ids.numel():  # ids in range: read through pinned memory (blocks the host)
             lo, hi = self._to_host(torch.stack([ids.min(), ids.max()]).to(torch.int64)).tolist()
             check_id_range(lo, hi, num_experts)
+
+    def reject(self, error: PurlinValueError) -> None:
+        """This rank's arguments are bad (eager): tell the peers, which wait in the header exchange, and
+        raise ``error``; they raise too, naming this rank, and no rank launches."""
+        reject(self.comm, "moe_dispatch", error, self._to_device, self._to_host)
+
+    def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
+        self.check(fatal_only=True)
+        op = "moe_dispatch"
+        try:
+            self._check_local(x, ids, num_experts, quant, capturing)
+        except PurlinValueError as e:
+            if capturing:
+                raise
+            self.reject(e)
+        world, local = self.world, num_experts // self.world
+        t_n, k_n = ids.shape
+        hidden = x.shape[1]
+        payload_bytes = hidden * (1 if quant == "fp8" else x.element_size())
         r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)

@@ -1,5 +1,7 @@
 """Argument checks of moe_dispatch / moe_combine: done before anything is shared, so a bad call
-raises PurlinValueError (naming the argument) on this rank and leaves the communicator usable."""
+raises PurlinValueError (naming the argument) and leaves the communicator usable. An eager dispatch
+rejected on one rank is announced to its peers in the call's header exchange
+(engines/cpu_moe.py: ``reject``), so they raise too instead of waiting for it."""
 
 from __future__ import annotations
 

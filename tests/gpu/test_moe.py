@@ -51,6 +51,28 @@ def test_bad_arguments_and_limits():
     assert all(r[0] and r[1] > 0 for r in res)
 
 
+def test_bad_ids_on_one_rank_raise_on_every_rank():
+    """Rank 1's ids are out of range, rank 0's are fine: both raise at once (rank 0 naming rank 1), no
+    kernel waits for a peer, and the next call is correct."""
+    barrier = threading.Barrier(2)
+
+    def fn(comm):
+        dev = comm.device
+        x = torch.randn(4, H, device=dev)
+        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+        w = torch.ones(4, 2, device=dev)
+        with pytest.raises(ps.PurlinValueError) as e:
+            comm.moe_dispatch(x, ids + 9 * comm.rank, w, num_experts=4)
+        d = comm.moe_dispatch(x, ids, w, num_experts=4)
+        y = comm.moe_combine(d.x.clone(), d)
+        comm.synchronize()
+        barrier.wait()
+        return str(e.value), torch.equal(y.cpu(), (x * 2).cpu())
+
+    (msg0, ok0), (msg1, ok1) = ps.run_virtual(2, fn, device="cuda", config=CFG)
+    assert "rank(s) [1] rejected their arguments" in msg0 and "outside [-1, 4)" in msg1 and ok0 and ok1
+
+
 @pytest.mark.parametrize("world,experts,topk", [(2, 4, 2), (4, 8, 3), (8, 16, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_eager_exact_random_routings(world, experts, topk, dtype):

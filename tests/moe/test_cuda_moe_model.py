@@ -168,3 +168,28 @@ def test_overflow_and_bad_ids_are_recorded_and_raised_at_synchronize(world_of):
     assert res[0][0] == [] and res[1][0][0] == ("capacity", 1, 3, 4)
     assert res[1][0][1][0] == "ids" and "outside [-1, num_experts)" in res[1][0][1][1]
     check_results([r[1] for r in res], *good, experts, capacity=cap)
+
+
+def test_a_bad_eager_call_on_one_rank_raises_on_every_rank_and_launches_nothing(world_of):
+    """The CUDA glue's own checks (id range, max_tokens_per_rank) fail on rank 1 only: rank 1 raises its
+    error, rank 0 raises naming rank 1 (the header exchange carries the rejection), no kernel runs, and
+    the next call is correct."""
+    world, experts = 2, 4
+    xs, ids, ws = make_case(world, experts, 2, H, torch.bfloat16, 31, max_tokens=6, empty_rank=False)
+    too_many = (torch.randn(17, H), torch.zeros(17, 2, dtype=torch.int64), torch.ones(17, 2))
+
+    def fn(m):
+        r, seen = m.rank, []
+        for what, args in (("outside [-1, 4)", (xs[r], ids[r] + 9 * (r == 1), ws[r])),
+                           ("max_tokens_per_rank", too_many if r == 1 else (xs[r], ids[r], ws[r]))):
+            with pytest.raises(ps.PurlinValueError) as e:
+                m.dispatch(*args, experts, None, "none", False)
+            seen.append((what, str(e.value)))
+        return seen, _call(m, xs, ids, ws, experts)
+
+    res, lib = world_of(world, fn, max_tokens=16)
+    for r, (seen, _) in enumerate(res):
+        for what, msg in seen:
+            assert (what if r == 1 else "rank(s) [1] rejected their arguments") in msg, (r, what, msg)
+    check_results([out for _, out in res], xs, ids, ws, experts)
+    assert len(lib.launches) == 2 * world  # the good call's dispatch and combine only

@@ -121,6 +121,36 @@ def test_bad_arguments_name_the_argument_and_leave_the_communicator_usable():
     check_results(res, xs, ids, ws, 4)
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_bad_arguments_on_one_rank_raise_on_every_rank_without_a_timeout(bad_rank):
+    """One rank's bad call: it raises its own error (naming the argument), its peer raises naming that
+    rank, at once (not at timeout_s), and the next call works on both. The good rank has no tokens."""
+    import time
+
+    xs, ids, ws = make_case(2, 4, 2, 3, torch.float32, 5, empty_rank=False)
+    good, g = 1 - bad_rank, torch.Generator().manual_seed(6 + bad_rank)
+    xs[good], ids[good], ws[good] = xs[good][:0], ids[good][:0], ws[good][:0]
+    xs[bad_rank] = torch.randn(4, 3, generator=g)  # 4 tokens: every BAD change is bad here
+    ids[bad_rank] = torch.randint(0, 4, (4, 2), generator=g)
+    ws[bad_rank] = torch.rand(4, 2, generator=g)
+
+    def fn(c):
+        r = c.rank
+        for what, change in BAD:
+            args = dict(x=xs[r], topk_ids=ids[r], topk_weights=ws[r], num_experts=4)
+            if r == bad_rank:
+                args.update(change(xs[r], ids[r], ws[r]))
+            t0 = time.monotonic()
+            with pytest.raises(ps.PurlinValueError) as e:
+                c.moe_dispatch(**args)
+            assert time.monotonic() - t0 < 10, what
+            want = what if r == bad_rank else f"rank(s) [{bad_rank}] rejected their arguments"
+            assert want in str(e.value), (what, str(e.value))
+        return run_rank(c, xs, ids, ws, 4)
+    res = ps.run_virtual(2, fn, config=CFG)
+    check_results(res, xs, ids, ws, 4)
+
+
 def test_hidden_size_mismatch_across_ranks_raises_on_every_rank():
     def fn(c):
         x = torch.randn(2, 3 + c.rank)
