@@ -7,7 +7,8 @@
 ``--prompts`` greedy prompts (temperature 0, ``ignore_eos``: every prompt gives exactly ``--output-tokens``
 tokens) to ``/generate`` in one batch once untimed (warm-up), then ``--repeats`` times timed (output tokens
 per second of each batch; the median is the run's throughput), checks that every repeat gave the same
-tokens, sends the batch once more asking for each output token's logprob and the top-2 logprobs (a
+tokens, with ``--alone N`` sends the first N prompts again one request each and records whether each
+gave the tokens it gave inside the batch (``alone_tokens_match_batch``: batch invariance), sends the batch once more asking for each output token's logprob and the top-2 logprobs (a
 stronger check than the tokens: with SGLang's dummy weights the greedy continuations are nearly constant;
 a failure there is recorded, not fatal), asks ``/v1/chat/completions`` once, and copies the plugin's lines (``purlin``) from the server log.
 The prompts are random words from a seeded generator (the words of purlin's offline prompts), so every run
@@ -135,6 +136,12 @@ def cmd_run(a: argparse.Namespace) -> int:
         rec["repeats_identical"] = all(r[0] == ids for r in runs) and ids0 == ids
         rec["distinct_outputs"] = len({tuple(x) for x in ids})
         rec["all_lengths_ok"] = all(len(x) == a.output_tokens for x in ids)
+        if a.alone:  # batch invariance: the first --alone prompts again, one request each
+            alone = [generate(url, [t], a.output_tokens, a.timeout)[0][0] for t in texts[: a.alone]]
+            differ = [i for i, toks in enumerate(alone) if toks != ids[i]]
+            rec["alone_prompts"] = len(alone)
+            rec["alone_tokens_match_batch"] = not differ
+            rec["alone_differ"] = differ
         try:
             rec["logprobs"], gaps = logprobs(url, texts, a.output_tokens, a.timeout)
             flat = [g for row in gaps for g in row]
@@ -174,7 +181,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
         row = {k: r.get(k) for k in ("name", "backend", "tp", "model", "cuda_graph", "nccl_free", "prompts",
                                      "output_tokens", "output_throughput_tok_s", "startup_s", "distinct_outputs",
                                      "repeats_identical", "top2_gap_min", "top2_gap_median", "logprob_error", "ok",
-                                     "error", "command", "chat", "plugin_log")}
+                                     "error", "command", "chat", "plugin_log", "alone_prompts",
+                                     "alone_tokens_match_batch", "alone_differ")}
         row["tokens_match_reference"] = None
         row["reference"] = ref
         if ref:
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("out", str, None), ("backend", str, "nccl"), ("tp", int, 1), ("model", str, ""),
                     ("command", str, ""), ("reference", str, ""), ("prompts", int, 16),
                     ("output-tokens", int, 32), ("seed", int, 42), ("repeats", int, 3), ("wait", float, 300.0),
-                    ("timeout", float, 300.0)):
+                    ("timeout", float, 300.0), ("alone", int, 0)):
         r.add_argument(f"--{k}", type=t, default=d, required=d is None)
     r.add_argument("--cuda-graph", type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=True)
     r.add_argument("--nccl-free", action="store_true")

@@ -20,6 +20,8 @@
 #   tp4p     only the two purlin TP=4 runs (the reference from an earlier call, compared afterwards)
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
 #            (OFFLINE_TP2=0: TP=1 only); each bounded by the time left before DEADLINE
+#   det      TP=2 purlin NCCL-free with --enable-deterministic-inference: every prompt also served alone,
+#            its tokens compared with the batch's (alone_tokens_match_batch); plugin line "deterministic"
 #   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
 # Knobs: MODEL (configs/models/olmo-dense-8l; the Llama one needs cutlass, see docs/SGLANG.md), PROMPTS (16), OT output tokens (32), REPEATS (3),
 #   DEADLINE seconds after which no new step starts (470; give the call 600), WAIT seconds for a server to be ready (240).
@@ -112,7 +114,8 @@ serve() {
   timeout $(( wait_s + 200 )) python3 tools/gpu-serve-client.py run --url "http://127.0.0.1:$port" --log "$log" \
     --pid $pid --name "$name" --out "$RUNS/$name.json" --backend "$backend" --tp "$tp" --model "$(basename "$MODEL")" \
     --cuda-graph "$graph" --reference "$ref" --prompts "$PROMPTS" --output-tokens "$OT" --repeats "$REPEATS" \
-    --wait "$wait_s" --timeout 150 --command "${cmd[*]}" $([[ " $* " == *nccl-free* ]] && echo --nccl-free) 2>&1 | tee -a "$OUT/summary.txt"
+    --wait "$wait_s" --timeout 150 --command "${cmd[*]}" $([[ " $* " == *nccl-free* ]] && echo --nccl-free) \
+    ${CLIENT_EXTRA:-} 2>&1 | tee -a "$OUT/summary.txt"
   kill -TERM -- -$pid 2>/dev/null; for _ in $(seq 6); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
   grep -q "server process exited" "$RUNS/$name.json" 2>/dev/null && EXITS=$((EXITS + 1)) || EXITS=0
@@ -162,6 +165,10 @@ if has tp4p; then  # the purlin TP=4 runs alone (their gloo reference from an ea
     --config configs/purlin-sglang-nccl-free.yaml
   [ "${TP4_GRAPH:-1}" = 1 ] && serve tp4-purlin-graph 4 purlin true tp4-gloo-ref -- --mem-fraction-static 0.14 \
     --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph
+fi
+if has det; then  # batch invariance under --enable-deterministic-inference, all-reduces through purlin
+  CLIENT_EXTRA="--alone $PROMPTS" serve det-tp2-purlin 2 purlin false tp2-gloo-ref -- --mem-fraction-static 0.25 \
+    --config configs/purlin-sglang-nccl-free.yaml --enable-deterministic-inference
 fi
 if has moe; then
   M0=$MODEL; MODEL=configs/models/qwen3-moe-4l

@@ -48,14 +48,14 @@ def fake_server(shift: int):
     return srv
 
 
-def run(tmp_path, name, shift, reference="", ready=True):
+def run(tmp_path, name, shift, reference="", ready=True, extra=()):
     srv = fake_server(shift)
     log = tmp_path / f"{name}.log"
     log.write_text("purlin_sglang: group tp:0: 2 ranks\n" + (C.READY + "!\n" if ready else ""))
     try:
         rc = C.main(["run", "--url", f"http://127.0.0.1:{srv.server_port}", "--log", str(log), "--pid", str(os.getpid()),
                      "--name", name, "--out", str(tmp_path / "runs" / f"{name}.json"), "--prompts", "5",
-                     "--output-tokens", "7", "--repeats", "2", "--wait", "2", "--reference", reference])
+                     "--output-tokens", "7", "--repeats", "2", "--wait", "2", "--reference", reference, *extra])
     finally:
         srv.shutdown()
     return rc, json.loads((tmp_path / "runs" / f"{name}.json").read_text())
@@ -86,3 +86,14 @@ def test_server_that_never_gets_ready_is_a_failed_run(tmp_path):
 
 def test_prompts_are_deterministic():
     assert C.prompts(4, 42) == C.prompts(4, 42) != C.prompts(4, 43)
+
+
+def test_alone_compares_each_prompt_served_alone_with_the_batch(tmp_path):
+    # the fake server shifts the tokens of whatever stands second in a batch: alone, prompt 1 differs
+    rc, rec = run(tmp_path, "inv", 0, extra=("--alone", "3"))
+    assert rc == 0 and rec["alone_prompts"] == 3 and rec["alone_tokens_match_batch"] and rec["alone_differ"] == []
+    rc, rec = run(tmp_path, "var", 5, extra=("--alone", "3"))
+    assert rec["alone_tokens_match_batch"] is False and rec["alone_differ"] == [1]
+    C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")])
+    rows = {r["name"]: r for r in json.loads((tmp_path / "serving.json").read_text())["runs"]}
+    assert rows["inv"]["alone_tokens_match_batch"] is True and rows["var"]["alone_differ"] == [1]
