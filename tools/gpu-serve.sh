@@ -22,7 +22,8 @@
 #            (OFFLINE_TP2=0: TP=1 only); each bounded by the time left before DEADLINE
 #   det      TP=2 purlin NCCL-free with --enable-deterministic-inference: every prompt also served alone,
 #            its tokens compared with the batch's (alone_tokens_match_batch); plugin line "deterministic"
-#   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off
+#   moe      TP=1 and TP=2 (--purlin-nccl-free, purlin) of configs/models/qwen3-moe-4l, graphs off; then EP=2:
+#            SGLang's MoE path on gloo, and purlin as the MoE dispatcher (MOE_ONLY_EP=1: only the EP pair)
 # Knobs: MODEL (configs/models/olmo-dense-8l; the Llama one needs cutlass, see docs/SGLANG.md), PROMPTS (16), OT output tokens (32), REPEATS (3),
 #   DEADLINE seconds after which no new step starts (470; give the call 600), WAIT seconds for a server to be ready (240).
 # On a machine with a GPU per rank, run the same steps WITHOUT --purlin-nccl-free (one process per GPU, NCCL
@@ -172,10 +173,18 @@ if has det; then  # batch invariance under --enable-deterministic-inference, all
 fi
 if has moe; then
   M0=$MODEL; MODEL=configs/models/qwen3-moe-4l
-  serve moe-tp1-nccl 1 nccl false "" -- --mem-fraction-static 0.5
-  serve moe-tp2-gloo-ref 2 nccl false "" -- --mem-fraction-static 0.25 --purlin-nccl-free
-  serve moe-tp2-purlin-eager 2 purlin false moe-tp2-gloo-ref -- --mem-fraction-static 0.25 \
-    --config configs/purlin-sglang-nccl-free.yaml
+  if [ "${MOE_ONLY_EP:-0}" != 1 ]; then
+    serve moe-tp1-nccl 1 nccl false "" -- --mem-fraction-static 0.5
+    serve moe-tp2-gloo-ref 2 nccl false "" -- --mem-fraction-static 0.25 --purlin-nccl-free
+    serve moe-tp2-purlin-eager 2 purlin false moe-tp2-gloo-ref -- --mem-fraction-static 0.25 \
+      --config configs/purlin-sglang-nccl-free.yaml
+  fi
+  # expert parallelism: SGLang's own MoE path on gloo (reference: EP shards differ from TP shards), then
+  # purlin as the MoE dispatcher (configs/purlin-sglang-moe-nccl-free.yaml: --moe-a2a-backend none + moe:)
+  serve moe-ep2-gloo-ref 2 nccl false "" -- --mem-fraction-static 0.25 --purlin-nccl-free --ep-size 2 \
+    --moe-a2a-backend none
+  serve moe-ep2-purlin-dispatch 2 purlin false moe-ep2-gloo-ref -- --mem-fraction-static 0.25 \
+    --config configs/purlin-sglang-moe-nccl-free.yaml --ep-size 2
   MODEL=$M0
 fi
 if has offline; then
