@@ -17,7 +17,7 @@ from purlin_sglang.snac import (
     ALIGN, Ack, ConsumeStep, Drain, DrainAll, Notify, Sizes, Stage, TuningPolicy, Wait, WaitDrainAll,
     choose_algorithm, lower, make_plan,
 )
-from purlin_sglang.snac.planner import max_items
+from purlin_sglang.snac.policy import max_items
 
 NAMED = sorted(S.NAMED_SPECS.values(), key=lambda s: s.name)
 ALL_SPECS = NAMED + S.all_valid_namings()
