@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from ..api import Communicator
-from ..engines.cpu import REDUCE_DTYPES
+from ..engines.base import REDUCE_DTYPES
 from .routing import PluginConfig
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class PurlinGroupCommunicator:
             try:
                 import torch.distributed as dist
 
-                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=max(1.0, comm.config.timeout_s)),
+                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=comm.config.timeouts.destroy_s),
                                        wait_all_ranks=True)
             except Exception as e:  # noqa: BLE001 - a peer that is gone reads nothing any more
                 logger.warning("purlin[%s]: not every rank reached destroy (%s); freeing purlin's memory anyway",
