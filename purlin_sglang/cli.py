@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from . import __version__
+from .bench.environment import dist_version
 
 
 # -- references: plain torch, written from torch.distributed semantics ---------------------------
@@ -152,13 +153,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _nvshmem() -> str:
     spec = importlib.util.find_spec("nvidia")
     if spec is None or not spec.submodule_search_locations:
@@ -166,7 +160,7 @@ def _nvshmem() -> str:
     for base in spec.submodule_search_locations:
         libs = sorted((Path(base) / "nvshmem" / "lib").glob("libnvshmem_host.so*"))
         if libs:
-            ver = _dist_version("nvidia-nvshmem-cu13") or _dist_version("nvidia-nvshmem-cu12") or "?"
+            ver = dist_version("nvidia-nvshmem-cu13") or dist_version("nvidia-nvshmem-cu12") or "?"
             return f"{ver} at {libs[0].parent}"
     return "not found (install the [cu12] or [cu13] extra)"
 
@@ -188,7 +182,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "GPU": ", ".join(gpus) if gpus else "none visible to torch",
         "engines": "cpu (reference): available; cuda: " + cuda_engine_status(),
         "NVSHMEM": _nvshmem(),
-        "sglang": _dist_version("sglang") or "not installed (install the [sglang] extra)",
+        "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",
     }
     if args.json:

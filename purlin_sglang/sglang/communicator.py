@@ -82,6 +82,16 @@ class PurlinGroupCommunicator:
             self.disabled = False
 
     @property
+    def communicator(self) -> Optional[Communicator]:
+        """The purlin :class:`~purlin_sglang.Communicator` underneath (None once destroyed or for one rank)."""
+        return self._comm
+
+    @property
+    def bypassed(self) -> bool:
+        """True inside :meth:`bypass`: every op declines without counting (the caller's own fallback runs)."""
+        return self._bypass > 0
+
+    @property
     def engine(self) -> str:
         """``"cuda"`` or ``"cpu"`` (``"none"`` when disabled)."""
         return self._comm.engine_name if self._comm is not None else "none"
