@@ -10,15 +10,12 @@ The CUDA engine's execute() is run on a fake native library (no GPU needed).
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import (  # noqa: E402
+from purlin_sglang.testing.collectives import (  # noqa: E402
     all_gather, all_gather_v, all_reduce, all_to_all_v, assert_bits_equal, broadcast, make_input, poison_like,
     reduce_ref,
 )

@@ -15,7 +15,7 @@ import torch
 
 import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
-from _torch_reference import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
+from purlin_sglang.testing.collectives import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
