@@ -127,5 +127,5 @@ def test_every_module_imports(name):
         importlib.import_module(name)
     except ModuleNotFoundError as e:
         if name in _OPTIONAL and e.name and not e.name.startswith(PKG):
-            pytest.skip(f"{name} needs {e.name}, which is not installed")
+            pytest.skip(f"{name} needs sglang's MoE layer, which needs {e.name} (not installed)")
         raise
