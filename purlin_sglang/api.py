@@ -109,10 +109,8 @@ class Communicator:
         return self._moe.hbm_bytes if getattr(self, "_moe", None) is not None else 0
 
     def cache_info(self) -> CacheInfo:
-        """This rank's call caches (a :class:`~purlin_sglang.calls.CacheInfo`): ``hits`` (calls served
-        from the call cache, skipping planning and the shape checks), ``misses`` (calls that took the
-        full path), the entries held now (``calls``, ``plans``, ``schedules``) and ``maxsize`` (the
-        call cache's bound, :attr:`CALL_CACHE_SIZE`; the oldest entry is dropped first). Local."""
+        """This rank's call caches: hits and misses of the call cache, the entries held now and its bound
+        (:attr:`CALL_CACHE_SIZE`), as a :class:`~purlin_sglang.calls.CacheInfo`. Local; cheap."""
         return self._path.info()
 
     def __repr__(self) -> str:
