@@ -104,6 +104,11 @@ class Communicator:
         return self._ws.hbm_bytes + self._engine.table_bytes + self.moe_hbm_bytes
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or a failure released this rank's memory): every call raises."""
+        return self._closed
+
+    @property
     def moe_hbm_bytes(self) -> int:
         """Bytes of GPU memory this rank's MoE region holds (0 before the first CUDA MoE call)."""
         return self._moe.hbm_bytes if getattr(self, "_moe", None) is not None else 0
@@ -208,7 +213,7 @@ class Communicator:
 
     # -- the call path (calls.py: checks, the algorithm, plans and caches) ---------------------
     def _run(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any) -> torch.Tensor:
-        call, got = self._path.lookup(spec, x, out, op, root, in_splits, out_splits) if not self._closed else (None, None)
+        call, got = self._path.lookup(spec, x, out, op, root, in_splits, out_splits)  # (empty once closed)
         if call is not None:  # a call shape seen (and valid) before: its cached schedule
             self._check_usable(call.name)
             out = got
@@ -368,7 +373,7 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
 
     def call(r: int) -> Any:
         out = fn(comms[r])
-        if on_gpu and not comms[r]._closed:
+        if on_gpu and not comms[r].closed:
             comms[r].synchronize()  # results complete, and a recorded timeout raised here
         return out
 

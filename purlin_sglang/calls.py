@@ -13,7 +13,6 @@ call that fails one of them takes the full path, which raises the error with its
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import torch
@@ -128,7 +127,7 @@ class CallPath:
         self.hits = self.misses = 0
         self.plans: dict[tuple, Plan] = {}
         self.schedules: dict[tuple, Schedule] = {}
-        self.calls: OrderedDict[tuple, Call] = OrderedDict()
+        self.calls: dict[tuple, Call] = {}  # insertion-ordered: the first entry is the oldest
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, len(self.calls), len(self.plans), len(self.schedules), self.maxsize)
@@ -228,7 +227,7 @@ class CallPath:
         call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced)
         if key is not None:
             if len(self.calls) >= self.maxsize:
-                self.calls.popitem(last=False)  # the oldest entry
+                del self.calls[next(iter(self.calls))]  # the oldest entry
             self.calls[key] = call
         return call, out
 

@@ -84,7 +84,7 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
     if comm is not None:
         return comm
     comm = _OWN_COMMS.get(group.unique_name)
-    if comm is None or getattr(comm, "_closed", False):
+    if comm is None or comm.closed:
         from ..api import Communicator
         from .settings import load_plugin_config
 
