@@ -22,16 +22,10 @@ from typing import Any, Callable
 import torch
 
 from . import __version__
+from .bench.environment import dist_version
 
 
-# -- references: plain torch, written from torch.distributed semantics ---------------------------
-def _reduce_ref(parts: list[torch.Tensor], op: str) -> torch.Tensor:
-    acc = parts[0].float().clone()
-    for p in parts[1:]:
-        acc = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](acc, p.float())
-    return acc.to(parts[0].dtype)
-
-
+# -- demo cases: inputs and the expected results (purlin_sglang.reference) ----------------------
 def _case_inputs(name: str, world: int, rows: int, cols: int, gen: torch.Generator):
     """Per-rank inputs and call arguments for one collective; sizes vary per rank for V forms."""
     def rnd(n: int) -> torch.Tensor:
@@ -55,24 +49,17 @@ def _case_inputs(name: str, world: int, rows: int, cols: int, gen: torch.Generat
 
 
 def _reference(name: str, world: int, cases) -> list[torch.Tensor]:
+    """What every rank must receive (torch.distributed semantics; sums in rank order, bitwise)."""
+    from . import reference as R
+
     xs = [c[0] for c in cases]
-    if name == "all_reduce":
-        return [_reduce_ref(xs, "sum")] * world
-    if name in ("all_gather", "all_gather_v"):
-        return [torch.cat(xs)] * world
     if name == "broadcast":
-        return [xs[0]] * world
-    if name == "reduce_scatter":
-        return [_reduce_ref([x.chunk(world)[r] for x in xs], "sum") for r in range(world)]
+        return [R.broadcast(xs, r, 0) for r in range(world)]
     if name == "reduce_scatter_v":
-        sizes = cases[0][1]["sizes"]
-        return [_reduce_ref([x.split(sizes)[r] for x in xs], "sum") for r in range(world)]
-    if name == "all_to_all":
-        return [torch.cat([x.chunk(world)[r] for x in xs]) for r in range(world)]
+        return [R.reduce_scatter_v(xs, r, cases[0][1]["sizes"]) for r in range(world)]
     if name == "all_to_all_v":
-        return [torch.cat([xs[p].split(cases[p][1]["input_splits"])[r] for p in range(world)])
-                for r in range(world)]
-    raise KeyError(name)
+        return [R.all_to_all_v(xs, r, [c[1]["input_splits"] for c in cases]) for r in range(world)]
+    return [getattr(R, name)(xs, r) for r in range(world)]
 
 
 def _call(comm, name: str, x: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -152,13 +139,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _nvshmem() -> str:
     spec = importlib.util.find_spec("nvidia")
     if spec is None or not spec.submodule_search_locations:
@@ -166,7 +146,7 @@ def _nvshmem() -> str:
     for base in spec.submodule_search_locations:
         libs = sorted((Path(base) / "nvshmem" / "lib").glob("libnvshmem_host.so*"))
         if libs:
-            ver = _dist_version("nvidia-nvshmem-cu13") or _dist_version("nvidia-nvshmem-cu12") or "?"
+            ver = dist_version("nvidia-nvshmem-cu13") or dist_version("nvidia-nvshmem-cu12") or "?"
             return f"{ver} at {libs[0].parent}"
     return "not found (install the [cu12] or [cu13] extra)"
 
@@ -188,7 +168,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "GPU": ", ".join(gpus) if gpus else "none visible to torch",
         "engines": "cpu (reference): available; cuda: " + cuda_engine_status(),
         "NVSHMEM": _nvshmem(),
-        "sglang": _dist_version("sglang") or "not installed (install the [sglang] extra)",
+        "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",
     }
     if args.json:

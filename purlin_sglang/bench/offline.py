@@ -491,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
 def _environment() -> dict[str, Any]:
     import torch
 
-    from .collectives import environment
+    from .environment import environment
 
     return environment("cuda" if torch.cuda.is_available() else "cpu")
 

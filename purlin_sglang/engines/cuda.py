@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import native
+from ..config import timeouts
 from ..errors import PurlinBrokenError, PurlinCudaError, PurlinTimeoutError, PurlinUnavailableError
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule
@@ -108,7 +109,7 @@ class CudaEngine:
         p.expect_off, p.acked_off, p.arrive_off, p.arrive_slots = dl.expect_off, dl.acked_off, dl.arrive_off, ARRIVE_SLOTS
         p.exit_off, p.error_off, p.staging_off = dl.exit_off, dl.error_off, dl.staging_off
         p.epoch_off, p.window_off, p.window_bytes = dl.epoch_off, dl.window_off, dl.window_bytes
-        p.timeout_ns = int(timeout_s * 1e9)
+        p.timeout_ns = timeouts(timeout_s).kernel_ns
         p.host_error = self._host_error.data_ptr()
         self._params = p
         self._pref = ctypes.byref(p)

@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from ..api import Communicator
-from ..engines.cpu import REDUCE_DTYPES
+from ..engines.base import REDUCE_DTYPES
 from .routing import PluginConfig, deterministic_inference, for_deterministic_inference
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,16 @@ class PurlinGroupCommunicator:
                 if notes and self.rank == 0:
                     logger.info("purlin[%s]: deterministic inference: reductions stay on purlin at every size "
                                 "(batch-invariant): %s", self.name, "; ".join(notes))
+
+    @property
+    def communicator(self) -> Optional[Communicator]:
+        """The purlin :class:`~purlin_sglang.Communicator` underneath (None once destroyed or for one rank)."""
+        return self._comm
+
+    @property
+    def bypassed(self) -> bool:
+        """True inside :meth:`bypass`: every op declines without counting (the caller's own fallback runs)."""
+        return self._bypass > 0
 
     @property
     def engine(self) -> str:
@@ -340,7 +350,7 @@ class PurlinGroupCommunicator:
             try:
                 import torch.distributed as dist
 
-                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=max(1.0, comm.config.timeout_s)),
+                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=comm.config.timeouts.destroy_s),
                                        wait_all_ranks=True)
             except Exception as e:  # noqa: BLE001 - a peer that is gone reads nothing any more
                 logger.warning("purlin[%s]: not every rank reached destroy (%s); freeing purlin's memory anyway",

@@ -80,15 +80,15 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
     plugin for covered groups: one workspace, entered by ``graph_capture``), else one built here over
     the group's CPU group (collective: every rank of the group builds it at the same layer)."""
     pc = getattr(group, "purlin_comm", None)
-    comm = getattr(pc, "_comm", None) if pc is not None and not pc.disabled else None
+    comm = pc.communicator if pc is not None and not pc.disabled else None
     if comm is not None:
         return comm
     comm = _OWN_COMMS.get(group.unique_name)
-    if comm is None or getattr(comm, "_closed", False):
+    if comm is None or comm.closed:
         from ..api import Communicator
-        from . import plugin
+        from .settings import load_plugin_config
 
-        cfg = plugin.CommSettings("purlin", config_path).load_config()
+        cfg = load_plugin_config(config_path)
         comm = Communicator(group.cpu_group, group.device, config=cfg.purlin)
         _OWN_COMMS[group.unique_name] = comm
     return comm
@@ -132,7 +132,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
     def __init__(self, moe_runner_config: Any, config: MoESettings, *, group: Any = None,
                  config_path: Optional[str] = None, fixed_rows: Optional[bool] = None):
         super().__init__()
-        from . import plugin
+        from .settings import active_settings
 
         parallel = get_parallel()
         self.runner_backend = moe_runner_config.runner_backend
@@ -145,7 +145,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.local_expert_mapping = None  # read by FusedMoE.bind_full_expert_weights and AITER paths
         self.expert_mask_gpu = None
         self.group = group if group is not None else parallel.moe_ep_group
-        path = config_path if config_path is not None else plugin.active_settings().config_path
+        path = config_path if config_path is not None else active_settings().config_path
         self.comm = moe_communicator(self.group, path)
         if self.comm.world_size != self.moe_ep_size or self.comm.rank != self.moe_ep_rank:
             raise PurlinError(f"purlin MoE dispatcher: the EP group's communicator is rank {self.comm.rank} of "

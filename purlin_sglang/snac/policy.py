@@ -7,7 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
-PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (layout.PACKET_MAX_BYTES)
+PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (the receive window)
+
+
+def max_items(world: int) -> int:
+    """Staging items per rank that any plan of ``world`` ranks may use (the two-shot plan's world + 1).
+
+    The one place this is decided: the planner, the lowering and the workspace layouts read it."""
+    return world + 1
 
 
 class TuningPolicy(BaseModel):

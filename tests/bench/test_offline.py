@@ -190,11 +190,11 @@ def test_generated_dataset_is_read_by_sglang_loaders_without_downloading(tmp_pat
     import random
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import make_tiny_model
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
+    make_tiny_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_model)
     make_tiny_model.write_model(tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     path = tmp_path / "dataset.json"

@@ -10,15 +10,12 @@ names the peer, then a new communicator works), a config mismatch refused on eve
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-sys.path.insert(0, os.path.dirname(__file__))
-from _torch_reference import COLLECTIVES, assert_bits_equal, case, case_call, case_expected, case_inputs  # noqa: E402
+from purlin_sglang.testing.collectives import COLLECTIVES, assert_bits_equal, case, case_call, case_expected, case_inputs  # noqa: E402
 from _workers import mismatches_vs_cpu  # noqa: E402
 
 from purlin_sglang.testing import launch  # noqa: E402
