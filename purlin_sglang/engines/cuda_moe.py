@@ -42,7 +42,7 @@ from .cpu_moe import _DTYPE_CODE, exchange_header, overflow
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
-_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_CODES = {getattr(torch, n): native.DTYPE_CODES[n] for n in ("bfloat16", "float16", "float32")}  # combine dtypes
 
 
 class LoopbackMoERegion:
@@ -109,7 +109,7 @@ class CudaMoE:
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
-        self._host_error = torch.zeros(16, dtype=torch.int64, pin_memory=True)
+        self._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
         self._err = self._host_error.numpy()
         # Pinned staging of the eager count exchange (header and count matrix), moved by one-block copy
         # kernels on the caller's stream: no pageable copy and no copy engine on the call path (a
