@@ -96,22 +96,22 @@ def test_collectives_pass_the_communicator_device(lib):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_second_gpu_while_torch_is_on_the_first(lib):
-    torch.cuda.set_device(0)
-    src = torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda:1")
-    dst = torch.zeros_like(src)
-    stream = torch.cuda.current_stream(1)
-    _copy(lib, 1, stream.cuda_stream, dst, src)
-    assert lib.last_device() == 1
-    stream.synchronize()
-    assert torch.equal(dst, src)
-
     def fn(comm):
         x = torch.full((64,), float(comm.rank + 1), device=comm.device)
         comm.all_reduce(x)
         return x.cpu()
 
-    with torch.cuda.device(0):
+    with torch.cuda.device(0):  # torch's current device is 0 here, and again after the test
+        src = torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda:1")
+        dst = torch.zeros_like(src)
+        stream = torch.cuda.current_stream(1)
+        _copy(lib, 1, stream.cuda_stream, dst, src)
+        assert lib.last_device() == 1
+        stream.synchronize()
+        assert torch.equal(dst, src)
+        torch.cuda.set_device(0)
         out = ps.run_virtual(2, fn, device="cuda:1")
+        assert lib.last_device() == 1
     assert all(torch.equal(o, torch.full((64,), 3.0)) for o in out)
 
 
