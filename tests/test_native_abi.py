@@ -24,7 +24,7 @@ from purlin_sglang import native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.engines.cuda_moe import CudaMoE
-from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError
+from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory.layout import DeviceLayout
 from purlin_sglang.memory.moe_layout import MoELayout
 
@@ -231,6 +231,38 @@ def test_cuda_moe_passes_its_device():
     m._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64)
     p = m._params(MoELayout(2, 8, 2, 64, 64))
     assert p.device == 5 and m.device_index == 5
+
+
+class _AtomLib:
+    """The two ctypes entry points of the public atoms, recording the device argument."""
+
+    def __init__(self):
+        self.devices = []
+
+    def purlin_copy_atom(self, dst, src, nbytes, stream, max_blocks, device):
+        self.devices.append(device)
+        return 0
+
+    def purlin_reduce_atom(self, dst, srcs, nsrc, nbytes, dtype, op, stream, max_blocks, device):
+        self.devices.append(device)
+        return 0
+
+
+def test_public_atoms_pass_a_device(monkeypatch):
+    lib = object.__new__(native.NativeLibrary)  # no .so, no CUDA
+    lib._lib = _AtomLib()
+    monkeypatch.setattr(native, "load", lambda: lib)
+    native.copy_atom(16, 32, 16, 0, device=2)
+    native.reduce_atom(16, [32], 16, torch.float32, "sum", 0, device=3)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    native.copy_atom(16, 32, 16, 0)  # torch has no CUDA context: the library's current device
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    native.copy_atom(16, 32, 16, 0)  # torch's current device
+    native.reduce_atom(16, [32], 16, torch.float32, "sum", 0)
+    assert lib._lib.devices == [2, 3, -1, 1, 1]
+    with pytest.raises(PurlinValueError, match="device"):
+        native.copy_atom(16, 32, 16, 0, device=-1)
 
 
 # -- a bad record surfaces as an error -------------------------------------------------------------
