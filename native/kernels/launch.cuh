@@ -27,11 +27,13 @@ inline std::atomic<int>& last_device() {
 inline cudaError_t use_device(int device, int* used = nullptr) {
   int dev = -1;
   cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (device >= 0 && device != dev) {
+  if (err == cudaSuccess && device >= 0 && device != dev) {
     err = cudaSetDevice(device);
-    if (err != cudaSuccess) return err;
     dev = device;
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // returned here; not left for the next launch's cudaGetLastError to report
+    return err;
   }
   last_device().store(dev, std::memory_order_relaxed);
   if (used != nullptr) *used = dev;

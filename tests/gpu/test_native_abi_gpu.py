@@ -76,9 +76,15 @@ def test_a_launch_from_a_thread_with_no_current_context(lib):
 
 
 def test_a_device_that_does_not_exist_is_refused(lib):
-    src = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    dev = torch.cuda.current_device()
+    src = torch.randint(0, 256, (64,), dtype=torch.uint8, device=f"cuda:{dev}")
+    dst = torch.zeros_like(src)
     with pytest.raises(PurlinCudaError, match="copy_atom"):
-        _copy(lib, torch.cuda.device_count(), 0, src, src)
+        _copy(lib, torch.cuda.device_count(), 0, dst, src)
+    stream = torch.cuda.current_stream(dev)  # the failure is not reported again by the next launch
+    _copy(lib, dev, stream.cuda_stream, dst, src)
+    stream.synchronize()
+    assert torch.equal(dst, src) and lib.last_device() == dev
 
 
 def test_collectives_pass_the_communicator_device(lib):
