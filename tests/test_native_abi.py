@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import shutil
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +23,6 @@ from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUn
 from purlin_sglang.memory.layout import DeviceLayout
 from purlin_sglang.memory.moe_layout import MoELayout
 
-REPO = Path(__file__).resolve().parents[1]
 CUDA_ERROR_INVALID_VALUE = 1
 built = native.build_info()
 needs_build = pytest.mark.skipif(not built.get("built"), reason=f"native module not built: {built.get('reason')}")
@@ -114,23 +108,6 @@ def test_a_stale_abi_version_keeps_the_rebuild_message(monkeypatch, fresh):
     with pytest.raises(PurlinUnavailableError, match=r"has ABI \d+, this package needs \d+ \(a stale build\); "
                                                      r"reinstall with `pip install \.`"):
         native.load()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")
-def test_host_only_build_exports_the_same_layout(tmp_path):
-    """PURLIN_DISABLE_CUDA=1: no CUDA entry point, but the same layout, checked the same way."""
-    build = tmp_path / "build"
-    env = dict(os.environ, PURLIN_DISABLE_CUDA="1")
-    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}",
-                 "-DCMAKE_BUILD_TYPE=Release"], ["cmake", "--build", str(build)]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
-    (so,) = list(build.rglob("_native*.so"))
-    lib = native._open_checked(str(so))
-    assert not hasattr(lib, "purlin_copy_atom")
-    assert native.layout_problems(native.native_layout(lib)) == []
-    native.check_layout(lib, str(so))
 
 
 # -- the native set-device path, without a GPU -----------------------------------------------------
