@@ -334,7 +334,7 @@ class FakeNativeLibrary:
                                   output=p.output, dtype=p.dtype, stream=stream))
         return self.code
 
-    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0) -> None:
+    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
 
     def error_string(self, code: int) -> str:

@@ -98,7 +98,6 @@ class WorkspaceLayout:
 PACKET_MAX_BYTES = PACKET_WINDOW_BYTES  # payload per producer of one packet call (snac.policy; snac/packet.cuh)
 PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
-ERROR_WORDS = 8  # [code, op index, kind, peer, item, rank, target, seen]
 EPOCH_WORDS = 16  # per-block packet epochs: the CUDA engine's grid has at most this many blocks per rank
 
 

@@ -69,7 +69,7 @@ class FakeNativeLibrary:
         self.launches += 1
         return 0
 
-    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0) -> None:
+    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
 
     def error_string(self, code: int) -> str:
