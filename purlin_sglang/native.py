@@ -125,8 +125,8 @@ def _struct_layout(cname: str, cls: type) -> dict[str, int]:
 
 def python_layout() -> dict[str, int]:
     """What this package's Python side believes the native ABI is, under purlin_native_layout()'s names."""
-    from .engines import cuda_ops as co
     from .memory import layout as wl
+    from .snac import encoding as co
     from .memory import moe_layout
 
     out = {"PURLIN_NATIVE_ABI_VERSION": ABI_VERSION}

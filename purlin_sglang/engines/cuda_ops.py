@@ -27,18 +27,13 @@ from ..snac import (
     Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal,
 )
 
-# The encoding of native/include/purlin/encoding.h; native.load() compares every name below with the
-# library's (native.python_layout), so a difference is an error at load, not a misread table.
-OP_WORDS = 12
-COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL, PACKET_PUT, PACKET_REDUCE, PACKET_COPY = 1, 2, 3, 4, 5, 6, 7, 8, 9
-OPCODES = {"COPY": COPY, "REDUCE": REDUCE, "SIGNAL": SIGNAL, "WAIT": WAIT, "BARRIER": BARRIER, "DRAINALL": DRAINALL,
-           "PACKET_PUT": PACKET_PUT, "PACKET_REDUCE": PACKET_REDUCE, "PACKET_COPY": PACKET_COPY}
-SUB_SHIFT, NSRC_SHIFT, FLAGS_SHIFT = 8, 16, 24  # word 0: opcode | sub << 8 | nsrc << 16 | flags << 24
-NOTIFY, ACK, DRAIN, BARRIER_KIND, PACKET_KIND = 0, 1, 2, 3, 4
-KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier", PACKET_KIND: "packet"}
-FLAG_INPLACE_ONLY = 1
-BUF_CODES = {Buf.INPUT: 0, Buf.OUTPUT: 1, Buf.STAGE: 2, Buf.WINDOW: 3}
-REF_BUF_SHIFT, REF_RANK_SHIFT, REF_RANK_BITS, REF_OFFSET_BITS = 62, 48, 14, 48  # buf << 62 | rank << 48 | offset
+# The op table's encoding (snac/encoding.py; checked against the library's at native.load()).
+from ..snac.encoding import (  # noqa: F401  (re-exported: tests and tools read them from here)
+    ACK, BARRIER, BARRIER_KIND, BUF_CODES, COPY, DRAIN, DRAINALL, FLAG_INPLACE_ONLY, FLAGS_SHIFT, KIND_NAMES,
+    NOTIFY, NSRC_SHIFT, OP_WORDS, OPCODES, PACKET_COPY, PACKET_KIND, PACKET_PUT, PACKET_REDUCE, REDUCE,
+    REF_BUF_SHIFT, REF_OFFSET_BITS, REF_RANK_BITS, REF_RANK_SHIFT, SIGNAL, SUB_SHIFT, WAIT,
+)
+
 _BUF = BUF_CODES
 _REDOP = native.REDUCE_OP_CODES
 MAX_REDUCE_SOURCES = native.REDUCE_MAX_SOURCES
