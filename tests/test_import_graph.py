@@ -122,8 +122,11 @@ _OPTIONAL = {f"{PKG}.sglang.moe_dispatcher"}
 
 # Python modules only: the package folder also holds shared libraries that are not Python extensions
 # (libpurlin_nvshmem.so, built where NVSHMEM is found), which pkgutil would list as modules.
-@pytest.mark.parametrize("name", sorted(m.name for m in pkgutil.walk_packages(purlin_sglang.__path__, PKG + ".")
-                                        if not m.name.endswith("__main__") and not m.name.split(".")[-1].startswith("lib")))
+_NAMES = sorted(m.name for m in pkgutil.walk_packages(purlin_sglang.__path__, PKG + ".")
+                if not m.name.endswith("__main__") and not m.name.split(".")[-1].startswith("lib"))
+
+
+@pytest.mark.parametrize("name", _NAMES)
 def test_every_module_imports(name):
     try:
         importlib.import_module(name)
