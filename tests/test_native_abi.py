@@ -18,6 +18,7 @@ import torch
 from purlin_sglang import native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
+from purlin_sglang.snac import encoding
 from purlin_sglang.engines.cuda_moe import CudaMoE
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory.layout import DeviceLayout
@@ -81,7 +82,7 @@ def test_a_struct_mismatch_names_the_field_and_both_values(monkeypatch, fresh):
 
 @needs_build
 def test_a_constant_mismatch_names_it_and_both_values(monkeypatch, fresh):
-    monkeypatch.setattr(co, "OPCODES", dict(co.OPCODES, PACKET_COPY=10))
+    monkeypatch.setattr(encoding, "OPCODES", dict(encoding.OPCODES, PACKET_COPY=10))  # where the check reads it
     monkeypatch.setattr(native, "DTYPE_CODES", dict(native.DTYPE_CODES, float16=3))
     monkeypatch.setattr(native, "SNAC_ERROR_FIELDS", native.SNAC_ERROR_FIELDS[:-1])  # the stale 8-word record
     with pytest.raises(PurlinUnavailableError) as info:
