@@ -24,6 +24,7 @@ from .collectives import (
     REDUCE_SCATTER_V, CollectiveSpec,
 )
 from .engines.base import CallContext
+from .snac.table import TableInUse
 from .errors import PurlinBrokenError, PurlinClosedError, PurlinError, PurlinPlanError, PurlinValueError
 from .memory import bootstrap, setup_phase
 from .moe import MoEDispatch
@@ -117,6 +118,23 @@ class Communicator:
         """This rank's call caches: hits and misses of the call cache, the entries held now and its bound
         (:attr:`CALL_CACHE_SIZE`), as a :class:`~purlin_sglang.calls.CacheInfo`. Local; cheap."""
         return self._path.info()
+
+    def algorithm(self, collective: str | CollectiveSpec, nbytes: int | None) -> str:
+        """The algorithm (``packet``, ``oneshot`` or ``twoshot``) this communicator runs for a call of
+        ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes: what the
+        call path chooses, from ``tuning`` and its table (:meth:`tuning_info`). Local; cheap."""
+        from .collectives import CATALOG
+
+        spec = CATALOG.get(collective) if isinstance(collective, str) else collective
+        if not isinstance(spec, CollectiveSpec):
+            raise PurlinValueError(f"algorithm: collective must be a catalog name ({', '.join(CATALOG)}) or a "
+                                   f"CollectiveSpec, got {collective!r}")
+        return self._path.algorithm(spec, nbytes)
+
+    def tuning_info(self) -> TableInUse:
+        """Which crossovers this communicator's planner uses: the tuning table's bands for its world
+        (``tuning.table``) or the built-in thresholds, with the reason (e.g. a table of another GPU)."""
+        return self._path.table
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._engine.broken else "ready")

@@ -13,6 +13,7 @@ call that fails one of them takes the full path, which raises the error with its
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +23,9 @@ from .config import PurlinConfig
 from .engines.base import REDUCE_DTYPES, fingerprint
 from .errors import PurlinConfigError, PurlinValueError
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
+from .snac.table import TableInUse, bands_for
 
+logger = logging.getLogger(__name__)
 _STRIDED = torch.strided
 # The caller's names of the V collectives' split arguments (in messages); run() takes in_splits / out_splits.
 _SPLIT_ARGS = {"all_to_all_v": ("input_splits", "output_splits"), "all_gather_v": ("sizes", "sizes"),
@@ -112,6 +115,24 @@ def check_group(group: Any) -> tuple[Any, int, int]:
     return group, rank, world
 
 
+_TOLD: set[tuple] = set()
+
+
+def table_in_use(config: PurlinConfig, device: torch.device, world: int) -> TableInUse:
+    """The tuning table's bands for a communicator of ``world`` ranks on ``device`` (snac/table.py),
+    logged once per process and table: applied, or why not (another GPU model, no entry)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+    else:
+        name = "cpu"
+    used = bands_for(config.tuning.table, name, device.type, world)
+    if used.path is not None and (used.reason not in _TOLD):
+        _TOLD.add(used.reason)
+        logger.log(logging.INFO if used.bands else logging.WARNING, "purlin_sglang: tuning: %s", used.reason)
+    return used
+
+
 def rows(x: torch.Tensor) -> int:
     return int(x.shape[0]) if x.dim() else 1
 
@@ -128,6 +149,14 @@ class CallPath:
         self.plans: dict[tuple, Plan] = {}
         self.schedules: dict[tuple, Schedule] = {}
         self.calls: dict[tuple, Call] = {}  # insertion-ordered: the first entry is the oldest
+        self.table = table_in_use(config, device, world)  # measured bands (tuning.table), or None: thresholds
+
+    def algorithm(self, spec: CollectiveSpec, nbytes: int | None) -> str:
+        """The algorithm of a call of ``spec`` whose input on this rank is ``nbytes`` bytes: the same on
+        every rank (it depends on the config, the world, the device model and the group-wide size)."""
+        bands = self.table.bands.get(spec.name) if self.table.bands else None
+        return choose_algorithm(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world,
+                                bands=bands)
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, len(self.calls), len(self.plans), len(self.schedules), self.maxsize)
@@ -208,7 +237,7 @@ class CallPath:
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)
         named = spec if consume == spec.consume else spec.with_consume(consume)
-        algorithm = choose_algorithm(named, nbytes, self.config.tuning, packets=self.packets, world=self.world)
+        algorithm = self.algorithm(named, nbytes)
         pkey = (spec, consume, root, algorithm)
         plan = self.plans.get(pkey)
         if plan is None:

@@ -61,16 +61,42 @@ def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> i
     return -(-nbytes // world) if spec.input.sliced and world else nbytes
 
 
+def algorithms_of(spec: CollectiveSpec, *, packets: bool) -> tuple[str, ...]:
+    """The algorithms ``spec`` has on an engine with (``packets``) or without the packet protocol."""
+    return (("packet",) if packets and has_packet_form(spec) else ()) + ("oneshot",) + (
+        ("twoshot",) if _reduces_to_all(spec) else ())
+
+
+def band(bands: tuple[tuple[int, str], ...], nbytes: int) -> str:
+    """A tuning table's algorithm for ``nbytes``: the first band with ``nbytes <= max_bytes`` (beyond
+    the last band: the last band's). Tables: snac/table.py."""
+    for max_bytes, algorithm in bands:
+        if nbytes <= max_bytes:
+            return algorithm
+    return bands[-1][1]
+
+
 def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
-                     world: int | None = None) -> str:
+                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None) -> str:
     """The regime of one call; ``nbytes``: this rank's input bytes, ``world``: the group size.
 
     ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
     result bitwise). Collectives with a packet form (:func:`has_packet_form`) take ``packet`` when
     forced, or under ``auto`` when the largest push fits ``packet_max_bytes`` (and the window).
     Beyond that, only reductions of a packed payload into a packed output on every rank have a
-    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``."""
+    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``.
+
+    ``bands``: this collective's measured bands from a tuning table (snac/table.py), used under
+    ``auto`` for a known ``nbytes`` in place of the thresholds above, where the band's algorithm can
+    run (``packet`` needs the protocol and a push that fits the window; else the thresholds decide).
+    The answer depends only on its arguments: ranks that agree on them agree on the algorithm."""
     algorithm = policy.algorithm
+    if algorithm == "auto" and bands and nbytes is not None:
+        measured = band(bands, nbytes)
+        if measured != "packet":
+            return measured
+        if packets and has_packet_form(spec) and packet_push_bytes(spec, nbytes, world) <= PACKET_WINDOW_BYTES:
+            return "packet"
     if packets and algorithm in ("auto", "packet") and has_packet_form(spec):
         if algorithm == "packet":
             return "packet"
