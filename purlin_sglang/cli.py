@@ -3,7 +3,10 @@
 * ``demo``: runs every catalog collective on the best engine present for world
   sizes 2 to 8, checks each against a plain torch reference and prints a table;
   the exit code is 1 on any mismatch.
-* ``info``: what this installation has (native build, GPU, NVSHMEM, SGLang).
+* ``info``: what this installation has (native build, GPU, NVSHMEM, SGLang) and which tuning
+  table is in force (``--config PATH``: a purlin YAML config whose ``tuning.table`` is read).
+* ``tune``: measure the algorithms' crossovers on this machine and write a tuning table
+  (purlin_sglang/bench/tune.py).
 """
 
 from __future__ import annotations
@@ -151,6 +154,22 @@ def _nvshmem() -> str:
     return "not found (install the [cu12] or [cu13] extra)"
 
 
+def _table_in_force(config_path: str | None, gpus: list[str]) -> str:
+    """The tuning table a communicator of this config would use here, or the built-in thresholds."""
+    from .config import PurlinConfig
+
+    path = PurlinConfig.from_yaml(config_path).tuning.table if config_path else None
+    if path is None:
+        return "none: built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)"
+    from .snac.table import load_table
+
+    t = load_table(path)
+    here = gpus[0] if t.engine == "cuda" and gpus else "cpu"
+    applies = "in force" if t.device == here else f"NOT applied here (this machine: {here}): built-in thresholds"
+    return (f"{path}: device {t.device} ({t.engine} engine), worlds {list(t.worlds)}, "
+            f"collectives {', '.join(t.collectives)}; {applies}")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from . import native
     from .engines import cuda_engine_status
@@ -170,6 +189,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "NVSHMEM": _nvshmem(),
         "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",
+        "tuning table": _table_in_force(args.config, gpus),
     }
     if args.json:
         print(json.dumps({**info, "native_build_info": b}, indent=2))
@@ -219,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=cmd_demo)
     i = sub.add_parser("info", help="print what this installation has")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--config", default=None, help="a purlin YAML config: show the tuning table it names")
     i.set_defaults(fn=cmd_info)
+    from .bench import tune
+
+    t = sub.add_parser("tune", help="measure the algorithms' crossovers here and write a tuning table (JSON)",
+                       description=tune.__doc__.split("\n\n")[0])
+    tune.add_arguments(t)
+    t.set_defaults(fn=tune.run)
     _add_bench(sub)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(args, "min_world", 1) < 1 or getattr(args, "max_world", 1) < getattr(args, "min_world", 1):
         p.error("need 1 <= --min-world <= --max-world")
     return args.fn(args)
