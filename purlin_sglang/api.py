@@ -380,9 +380,10 @@ class Communicator:
         except PurlinValueError as e:  # tell the peers (eager): every rank raises, the communicator stays usable
             if capturing:
                 raise
-            if cuda:
+            if cuda:  # either reject raises
                 self._moe_engine().reject(e)
-            cpu_moe.reject(self, "moe_dispatch", e)
+            else:
+                cpu_moe.reject(self, "moe_dispatch", e)
         if cuda:
             return self._moe_engine().dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
         plan = self._moe_plan("dispatch", num_experts, capacity, quant)
