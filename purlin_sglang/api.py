@@ -223,8 +223,8 @@ class Communicator:
         except PurlinValueError as e:  # tell the peers (eager): every rank raises, the communicator stays usable
             if capturing:
                 raise
-            self._moe.reject(e)
-            raise
+            self._moe.reject(e)  # raises
+            raise  # not reached
         return self._moe.dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
 
     def moe_combine(self, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:

@@ -46,6 +46,7 @@ COMMON=(--attention-backend triton --sampling-backend pytorch --grammar-backend 
 say() { echo "[$(( $(date +%s) - T_START ))s] $*" | tee -a "$OUT/summary.txt"; }
 left() { echo $(( DEADLINE - ($(date +%s) - T_START) )); }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+offline_timeout() { local t=$(( $(left) + 40 )); echo $(( t > 560 ? 560 : t )); }  # an offline step's own limit
 
 finish() {
   python3 tools/gpu-serve-client.py compare --runs "$RUNS" --out "$OUT/serving.json" >> "$OUT/summary.txt" 2>&1
@@ -193,16 +194,14 @@ if has offline; then
   SG=(-- --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache
       --cuda-graph-max-bs-decode 16 --random-seed 42)
   if [ "$(left)" -gt 120 ]; then
-    OFFT=$(( $(left) + 40 )); [ $OFFT -gt 560 ] && OFFT=560
     say "offline tp1: ${OFF[*]} --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml"
-    timeout $OFFT "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \
+    timeout "$(offline_timeout)" "${OFF[@]}" --tp 1 --compare nccl,purlin --purlin-config configs/purlin.yaml --out "$LOGS/offline-tp1" \
       "${SG[@]}" --mem-fraction-static 0.6 > "$LOGS/offline-tp1.txt" 2>&1; say "offline tp1 rc=$?"
     tail -14 "$LOGS/offline-tp1.txt" >> "$OUT/summary.txt"; cp "$LOGS/offline-tp1/offline.png" "$OUT/offline-tp1.png" 2>/dev/null
   else say "offline tp1: skipped (deadline)"; fi
   if [ "${OFFLINE_TP2:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then
-    OFFT=$(( $(left) + 40 )); [ $OFFT -gt 560 ] && OFFT=560
     say "offline tp2: ${OFF[*]} --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml"
-    timeout $OFFT "${OFF[@]}" --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml \
+    timeout "$(offline_timeout)" "${OFF[@]}" --tp 2 --nccl-free --compare nccl,purlin --purlin-config configs/purlin-nccl-free.yaml \
       --out "$LOGS/offline-tp2" "${SG[@]}" --mem-fraction-static 0.25 --disable-cuda-graph > "$LOGS/offline-tp2.txt" 2>&1
     say "offline tp2 rc=$?"; tail -14 "$LOGS/offline-tp2.txt" >> "$OUT/summary.txt"
     cp "$LOGS/offline-tp2/offline.png" "$OUT/offline-tp2.png" 2>/dev/null

@@ -239,8 +239,9 @@ class CudaMoE:
         self.check()
 
     # -- calls -----------------------------------------------------------------------------------------
-    def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> None:
-        """This engine's limits and (eager) the id range: PurlinValueError naming the argument."""
+    def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> int:
+        """This engine's limits and (eager) the id range: PurlinValueError naming the argument. Returns
+        the bytes of one payload row on the wire."""
         op = "moe_dispatch"
         t_n, k_n = ids.shape
         hidden = x.shape[1]
@@ -258,6 +259,7 @@ class CudaMoE:
         if not capturing and ids.numel():  # ids in range: read through pinned memory (blocks the host)
             lo, hi = self._to_host(torch.stack([ids.min(), ids.max()]).to(torch.int64)).tolist()
             check_id_range(lo, hi, num_experts)
+        return payload_bytes
 
     def reject(self, error: PurlinValueError) -> None:
         """This rank's arguments are bad (eager): tell the peers, which wait in the header exchange, and
@@ -268,15 +270,14 @@ class CudaMoE:
         self.check(fatal_only=True)
         op = "moe_dispatch"
         try:
-            self._check_local(x, ids, num_experts, quant, capturing)
+            payload_bytes = self._check_local(x, ids, num_experts, quant, capturing)
         except PurlinValueError as e:
             if capturing:
                 raise
-            self.reject(e)
+            self.reject(e)  # raises on this rank; the peers raise naming it
         world, local = self.world, num_experts // self.world
         t_n, k_n = ids.shape
         hidden = x.shape[1]
-        payload_bytes = hidden * (1 if quant == "fp8" else x.element_size())
         r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)

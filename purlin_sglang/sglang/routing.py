@@ -12,6 +12,7 @@ which every rank of the group agrees on (for the V forms: the sum over ranks).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -73,8 +74,6 @@ UNBOUNDED = 1 << 62
 def deterministic_inference() -> bool:
     """True when SGLang runs with ``--enable-deterministic-inference`` (it sets
     ``SGLANG_ENABLE_DETERMINISTIC_INFERENCE`` before any group exists; the variable alone counts too)."""
-    import os
-
     return os.environ.get("SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "").strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -26,26 +26,32 @@ def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None
                           device="cuda", config=CFG)
 
 
+def _tiny(dev, tokens=4):
+    """Every token to expert 0 twice with weight 1: the combine of 2 * rows is 2 * x."""
+    return (torch.randn(tokens, H, device=dev), torch.zeros(tokens, 2, dtype=torch.int64, device=dev),
+            torch.ones(tokens, 2, device=dev))
+
+
+def _good_call(comm, x, ids, w, barrier) -> bool:
+    d = comm.moe_dispatch(x, ids, w, num_experts=4)
+    y = comm.moe_combine(d.x.clone(), d)
+    comm.synchronize()
+    barrier.wait()  # host copies only once every rank's kernels are done
+    return torch.equal(y.cpu(), (x * 2).cpu())
+
+
 def test_bad_arguments_and_limits():
     barrier = threading.Barrier(2)
 
     def fn(comm):
-        dev = comm.device
-        x = torch.randn(4, H, device=dev)
-        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
-        w = torch.ones(4, 2, device=dev)
+        x, ids, w = _tiny(comm.device)
         with pytest.raises(ps.PurlinValueError, match="topk_ids"):
             comm.moe_dispatch(x, ids + 9, w, num_experts=4)
         with pytest.raises(ps.PurlinValueError, match="max_tokens_per_rank"):
-            comm.moe_dispatch(torch.randn(17, H, device=dev), torch.zeros(17, 2, dtype=torch.int64, device=dev),
-                              torch.ones(17, 2, device=dev), num_experts=4)
+            comm.moe_dispatch(*_tiny(comm.device, 17), num_experts=4)
         with pytest.raises(ps.PurlinValueError, match="16 bytes"):
-            comm.moe_dispatch(torch.randn(4, 3, device=dev), ids, w, num_experts=4)
-        d = comm.moe_dispatch(x, ids, w, num_experts=4)
-        y = comm.moe_combine(d.x.clone(), d)
-        comm.synchronize()
-        barrier.wait()  # host copies only once every rank's kernels are done
-        return torch.equal(y.cpu(), (x * 2).cpu()), comm.moe_hbm_bytes
+            comm.moe_dispatch(torch.randn(4, 3, device=comm.device), ids, w, num_experts=4)
+        return _good_call(comm, x, ids, w, barrier), comm.moe_hbm_bytes
 
     res = ps.run_virtual(2, fn, device="cuda", config=CFG)
     assert all(r[0] and r[1] > 0 for r in res)
@@ -57,17 +63,10 @@ def test_bad_ids_on_one_rank_raise_on_every_rank():
     barrier = threading.Barrier(2)
 
     def fn(comm):
-        dev = comm.device
-        x = torch.randn(4, H, device=dev)
-        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
-        w = torch.ones(4, 2, device=dev)
+        x, ids, w = _tiny(comm.device)
         with pytest.raises(ps.PurlinValueError) as e:
             comm.moe_dispatch(x, ids + 9 * comm.rank, w, num_experts=4)
-        d = comm.moe_dispatch(x, ids, w, num_experts=4)
-        y = comm.moe_combine(d.x.clone(), d)
-        comm.synchronize()
-        barrier.wait()
-        return str(e.value), torch.equal(y.cpu(), (x * 2).cpu())
+        return str(e.value), _good_call(comm, x, ids, w, barrier)
 
     (msg0, ok0), (msg1, ok1) = ps.run_virtual(2, fn, device="cuda", config=CFG)
     assert "rank(s) [1] rejected their arguments" in msg0 and "outside [-1, 4)" in msg1 and ok0 and ok1
