@@ -83,8 +83,8 @@ def device_workspace(memory: str, group: Any, rank: int, world: int, staging_byt
     differ = [k for k in mine if any(v[k] != seen[0][k] for v in seen)]
     if differ:
         raise PurlinConfigError(
-            f"{OP}: ranks disagree on {', '.join(differ)}: "
-            + "; ".join(f"{k}: " + ", ".join(f"rank {r}={v[k]!r}" for r, v in enumerate(seen)) for k in differ)
+            f"{OP}: ranks disagree on "
+            + "; ".join(f"{k} (" + ", ".join(f"rank {r}={v[k]!r}" for r, v in enumerate(seen)) + ")" for k in differ)
             + "; every rank needs the same config")
     layout = DeviceLayout(world, staging_bytes)
     return device_provider(memory).create(layout.rank_bytes, group, device_index, rank, world, layout=layout)

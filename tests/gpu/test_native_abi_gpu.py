@@ -92,8 +92,7 @@ def test_collectives_pass_the_communicator_device(lib):
 
     def fn(comm):
         x = torch.full((64,), float(comm.rank + 1), device=comm.device)
-        comm.all_reduce(x)
-        return x.cpu()
+        return comm.all_reduce(x).cpu()  # not in place: the result is returned
 
     out = ps.run_virtual(2, fn, device=f"cuda:{dev}")
     assert all(torch.equal(o, torch.full((64,), 3.0)) for o in out)
@@ -104,8 +103,7 @@ def test_collectives_pass_the_communicator_device(lib):
 def test_a_second_gpu_while_torch_is_on_the_first(lib):
     def fn(comm):
         x = torch.full((64,), float(comm.rank + 1), device=comm.device)
-        comm.all_reduce(x)
-        return x.cpu()
+        return comm.all_reduce(x).cpu()  # not in place: the result is returned
 
     with torch.cuda.device(0):  # torch's current device is 0 here, and again after the test
         src = torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda:1")
