@@ -151,16 +151,22 @@ class PurlinGroupCommunicator:
             self._last_report = time.monotonic()
             logger.info("%s", self.summary())
 
-    def _served(self, op: str, key: Hashable) -> None:
-        """Count a served call and remember its key as warmed up (counted as captured while capturing)."""
+    def note_served(self, op: str) -> None:
+        """Count a call of ``op`` served by purlin (counted as captured while capturing) in the routing
+        report. Also called by purlin's MoE dispatcher for its moe_dispatch / moe_combine calls on this
+        group's communicator, so that the report shows them."""
         self.routed[op] += 1
         if self.is_capturing():
             self.captured[op] += 1
+        self._maybe_report()
+
+    def _served(self, op: str, key: Hashable) -> None:
+        """Count a served call and remember its key as warmed up."""
         self._warm[key] = None
         self._warm.move_to_end(key)
         while len(self._warm) > WARM_KEYS:
             self._warm.popitem(last=False)
-        self._maybe_report()
+        self.note_served(op)
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether the call named ``key`` (see the ``*_key`` helpers) was served eagerly before."""

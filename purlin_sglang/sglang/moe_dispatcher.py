@@ -97,6 +97,13 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
 _warned: set = set()
 
 
+def _say_once(text: str) -> None:
+    """Log ``text`` at INFO once per process (every MoE layer builds a dispatcher)."""
+    if text not in _warned:
+        _warned.add(text)
+        logger.info(text)
+
+
 def _warn_if_prefill_exceeds(max_tokens: int, ep_size: int) -> None:
     """Say once, at start-up, when SGLang's largest prefill batch would give shards over the limit
     (such a batch raises at its dispatch)."""
@@ -154,6 +161,17 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.force_fixed_rows = fixed_rows
         self._pending: Optional[_Pending] = None
         _warn_if_prefill_exceeds(config.max_tokens_per_rank, self.moe_ep_size)
+        _say_once(f"purlin_sglang: MoE layers dispatch and combine through purlin: EP rank {self.moe_ep_rank} of "
+                  f"{self.moe_ep_size} ({getattr(self.group, 'unique_name', 'group')}, engine "
+                  f"{self.comm.engine_name}), rows on the wire in "
+                  f"{'the activations dtype' if self.wire_dtype is None else str(self.wire_dtype).replace('torch.', '')}, "
+                  f"moe.max_tokens_per_rank {config.max_tokens_per_rank}")
+
+    def _served(self, op: str) -> None:
+        """Count ``op`` in the routing report of the group's purlin communicator, where it has one."""
+        pc = getattr(self.group, "purlin_comm", None)
+        if pc is not None and hasattr(pc, "note_served"):
+            pc.note_served(op)
 
     def fixed_rows(self, device: torch.device) -> bool:
         return self.force_fixed_rows if self.force_fixed_rows is not None else device.type == "cuda"
@@ -189,6 +207,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         wire = self.wire_dtype if self.wire_dtype is torch.float8_e4m3fn else None
         d = self.comm.moe_dispatch(x.contiguous(), ids.contiguous(), weights.contiguous(),
                                    num_experts=self.num_experts, capacity=capacity, dtype=wire)
+        self._served("moe_dispatch")
         rows = d.x
         if d.scales is not None:  # FP8 on the wire: the experts get the hidden states' dtype
             rows = (rows.to(torch.float32) * d.scales.to(torch.float32).unsqueeze(1)).to(hidden_states.dtype)
@@ -220,6 +239,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
             full.index_copy_(0, st.keep, out[:st.keep.numel()])
             out = full
         y = self.comm.moe_combine(out.contiguous(), st.d)
+        self._served("moe_combine")
         result = torch.zeros((st.tokens, y.shape[1]), dtype=y.dtype, device=y.device)
         result[st.lo:st.hi] = y
         return result
