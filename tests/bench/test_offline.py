@@ -290,6 +290,11 @@ def test_table_ratio_and_chart(tmp_path):
     assert "purlin/nccl" not in single and "6.25" in single
     pytest.importorskip("matplotlib")
     assert offline.plot_compare(rows, ["nccl", "purlin"], tmp_path / "c.png") is None
+    names = offline.legend_names(["nccl", "purlin"], nccl_free=True)
+    assert names == {"nccl": "nccl (SGLang's collectives on gloo)", "purlin": "purlin"}
+    assert offline.legend_names(["nccl", "purlin"], nccl_free=False)["nccl"] == "nccl"
+    assert offline.plot_compare(rows, ["nccl", "purlin"], tmp_path / "d.png", names=names, subtitle="TP=2") is None
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
