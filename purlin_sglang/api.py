@@ -82,7 +82,8 @@ class Communicator:
         self._ws = ws
         self._engine = engines.create(engine, ws, rank, world, self.config.timeout_s, ranks_on_gpu=ranks_on_gpu)
         self._path = CallPath(rank, world, self.device, self.config, packets=bool(self._engine.packets),
-                              maxsize=self.CALL_CACHE_SIZE)
+                              maxsize=self.CALL_CACHE_SIZE,
+                              placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")
         self._seq = 0
         self._closed = False
         # Made now (CUDA: a pinned allocation, an occupancy query), not inside a call: in loopback, host

@@ -118,7 +118,7 @@ def check_group(group: Any) -> tuple[Any, int, int]:
 _TOLD: set[tuple] = set()
 
 
-def table_in_use(config: PurlinConfig, device: torch.device, world: int) -> TableInUse:
+def table_in_use(config: PurlinConfig, device: torch.device, world: int, placement: str = "any") -> TableInUse:
     """The tuning table's bands for a communicator of ``world`` ranks on ``device`` (snac/table.py),
     logged once per process and table: applied, or why not (another GPU model, no entry)."""
     if device.type == "cuda":
@@ -126,7 +126,7 @@ def table_in_use(config: PurlinConfig, device: torch.device, world: int) -> Tabl
         name = torch.cuda.get_device_name(index)
     else:
         name = "cpu"
-    used = bands_for(config.tuning.table, name, device.type, world)
+    used = bands_for(config.tuning.table, name, device.type, world, placement)
     if used.path is not None and (used.reason not in _TOLD):
         _TOLD.add(used.reason)
         logger.log(logging.INFO if used.bands else logging.WARNING, "purlin_sglang: tuning: %s", used.reason)
@@ -141,7 +141,7 @@ class CallPath:
     """One rank's call path: checks, the algorithm, plans, schedules, fingerprints, and their caches."""
 
     def __init__(self, rank: int, world: int, device: torch.device, config: PurlinConfig, *, packets: bool,
-                 maxsize: int = 512):
+                 maxsize: int = 512, placement: str = "any"):
         self.rank, self.world, self.device, self.config = rank, world, device, config
         self.packets = packets  # the engine runs packet plans: the algorithm may be "packet"
         self.maxsize = maxsize
@@ -149,7 +149,8 @@ class CallPath:
         self.plans: dict[tuple, Plan] = {}
         self.schedules: dict[tuple, Schedule] = {}
         self.calls: dict[tuple, Call] = {}  # insertion-ordered: the first entry is the oldest
-        self.table = table_in_use(config, device, world)  # measured bands (tuning.table), or None: thresholds
+        # measured bands (tuning.table), or None: the built-in thresholds
+        self.table = table_in_use(config, device, world, placement)
 
     def algorithm(self, spec: CollectiveSpec, nbytes: int | None) -> str:
         """The algorithm of a call of ``spec`` whose input on this rank is ``nbytes`` bytes: the same on

@@ -143,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
     table = {"format": 1, "device": _device_name(device), "engine": device,
              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
              "command": "purlin-sglang " + " ".join(shlex.quote(a) for a in getattr(args, "argv", [])),
-             "purlin_sglang": __version__, "dtype": args.dtype, "mode": mode, "iters": iters, "warmup": warmup,
+             "purlin_sglang": __version__,
+             # CUDA: virtual ranks, every rank on this one GPU (snac/table.py: where a table applies)
+             "placement": "one_gpu" if device == "cuda" else "any",
+             "dtype": args.dtype, "mode": mode, "iters": iters, "warmup": warmup,
              "entries": entries, "measurements": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(table, indent=1))

@@ -3,7 +3,7 @@
 Format 1 (JSON)::
 
     {"format": 1, "device": "NVIDIA H200" | "cpu", "engine": "cuda" | "cpu", "date": ..., "command": ...,
-     "purlin_sglang": "<version>",
+     "purlin_sglang": "<version>", "placement": "one_gpu" | "gpu_per_rank" | "any" (optional, "any"),
      "entries": {"<world>": {"<collective>": [[max_bytes, "algorithm"], ...]}},
      "measurements": [...]}
 
@@ -11,6 +11,14 @@ Each list holds size bands sorted by ``max_bytes``: a call whose input on one ra
 bytes takes the first band with ``nbytes <= max_bytes`` (larger calls: the last band;
 ``snac.planner.band``). The input bytes of a fixed-size collective are the same on every rank,
 so every rank reads the same band. ``measurements`` (the raw rows) is kept for the record and not read here.
+
+``placement`` says where the ranks were when it was measured: ``one_gpu`` (every rank of the world on
+one GPU: loopback virtual ranks, what ``purlin-sglang tune --device cuda`` measures today),
+``gpu_per_rank`` (one GPU per rank, peers over NVLink) or ``any``. Crossovers measured with every
+rank in one GPU's HBM do not carry over to NVLink (a one-shot that reads every peer's whole input
+is cheap in HBM, not over links), so a table applies only to communicators placed the same way: a
+virtual world for ``one_gpu``, a process group for ``gpu_per_rank`` (processes that share one GPU
+count as ``gpu_per_rank``: the communicator cannot tell).
 
 :func:`load_table` reads a table once per process (cached by path and modification time) and raises
 :class:`~purlin_sglang.errors.PurlinConfigError` naming the key (``tuning.table``) and the field
@@ -32,6 +40,7 @@ from .planner import algorithms_of
 
 FORMAT = 1
 ALGORITHMS = ("packet", "oneshot", "twoshot")
+PLACEMENTS = ("one_gpu", "gpu_per_rank", "any")
 KEY = "tuning.table"
 
 
@@ -43,6 +52,7 @@ class TuningTable:
     device: str
     engine: str
     entries: dict[int, dict[str, tuple[tuple[int, str], ...]]]
+    placement: str = "any"
 
     @property
     def worlds(self) -> tuple[int, ...]:
@@ -105,6 +115,9 @@ def parse_table(data: Any, path: str = "<table>") -> TuningTable:
             raise bad(field, f"must be a non-empty string, got {data.get(field)!r}")
     if data["engine"] not in ("cuda", "cpu"):
         raise bad("engine", f"must be 'cuda' or 'cpu', got {data['engine']!r}")
+    placement = data.get("placement", "any")
+    if placement not in PLACEMENTS:
+        raise bad("placement", f"must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     raw = data.get("entries")
     if not isinstance(raw, dict):
         raise bad("entries", f"must be an object of world sizes, got {type(raw).__name__}")
@@ -133,17 +146,21 @@ def parse_table(data: Any, path: str = "<table>") -> TuningTable:
                     raise bad(f"{field}[{i}]", f"max_bytes {b[0]} is not above the band before ({out[-1][0]})")
                 out.append((b[0], b[1]))
             entries[int(w)][name] = tuple(out)
-    return TuningTable(path, data["device"], data["engine"], entries)
+    return TuningTable(path, data["device"], data["engine"], entries, placement)
 
 
-def bands_for(path: str | None, device_name: str, engine: str, world: int) -> TableInUse:
-    """What a communicator of ``world`` ranks on ``device_name`` (``engine``) uses from ``path``."""
+def bands_for(path: str | None, device_name: str, engine: str, world: int, placement: str = "any") -> TableInUse:
+    """What a communicator of ``world`` ranks on ``device_name`` (``engine``), placed as ``placement``
+    (``one_gpu`` or ``gpu_per_rank``), uses from ``path``."""
     if path is None:
         return TableInUse(None, None, "built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)")
     table = load_table(path)
     if (table.device, table.engine) != (device_name, engine):
         return TableInUse(path, None, f"table {path} is for {table.device} ({table.engine} engine), not "
                                       f"{device_name} ({engine} engine): not applied, built-in thresholds")
+    if table.placement != "any" and placement != "any" and table.placement != placement and world > 1:
+        return TableInUse(path, None, f"table {path} was measured with placement {table.placement}, this "
+                                      f"communicator is {placement}: not applied, built-in thresholds")
     per = table.entries.get(world)
     if not per:
         return TableInUse(path, None, f"table {path} has no entry for world {world} "

@@ -26,6 +26,7 @@ def test_a_short_cuda_tune_writes_verified_entries(tmp_path, capsys):
     assert rc == 0, text.out + text.err
     data = json.loads(out.read_text())
     assert data["engine"] == "cuda" and data["device"] == torch.cuda.get_device_name()
+    assert data["placement"] == "one_gpu"  # measured on virtual ranks of one GPU
     table = load_table(str(out))
     assert table.worlds == (2,)
     assert set(table.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}

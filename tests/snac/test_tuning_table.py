@@ -50,6 +50,7 @@ def test_tune_cpu_writes_a_valid_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {k: data[k] for k in ("format", "device", "engine")} == {"format": 1, "device": "cpu", "engine": "cpu"}
     assert data["command"].startswith("purlin-sglang tune") and data["purlin_sglang"] and data["date"]
+    assert data["placement"] == "any"  # CPU; a CUDA tune (virtual ranks on one GPU) writes one_gpu
     table = load_table(str(out))  # validates
     assert table.worlds == (2, 3) and table.collectives == ("all_reduce",)  # the CPU engine's only choice
     rows = data["measurements"]
@@ -114,7 +115,27 @@ def test_a_table_for_another_device_or_world_is_not_applied(tmp_path, caplog):
     assert world3[0].bands is None and "no entry for world 3" in world3[0].reason
 
 
+def test_a_table_applies_only_to_communicators_placed_as_it_was_measured(tmp_path):
+    """Loopback crossovers (every rank in one GPU's HBM) must not steer a process per GPU, and back."""
+    entries = {"2": {"all_reduce": [[1 << 30, "twoshot"]]}}
+    virtual = lambda path: run_virtual(2, lambda c: (c.algorithm("all_reduce", 256), c.tuning_info()),  # noqa: E731
+                                       config={"tuning": {"table": path}})[0]
+    alg, info = virtual(write(tmp_path, entries, "per-gpu.json", placement="gpu_per_rank"))
+    assert alg == "oneshot" and info.bands is None
+    assert "placement gpu_per_rank" in info.reason and "one_gpu" in info.reason and "not applied" in info.reason
+    for placement in ("one_gpu", "any"):
+        alg, info = virtual(write(tmp_path, entries, f"{placement}.json", placement=placement))
+        assert alg == "twoshot" and info.bands is not None, (placement, info.reason)
+    alg, info = virtual(write(tmp_path, entries, "none.json"))  # no field: any
+    assert alg == "twoshot"
+    from purlin_sglang.snac.table import bands_for
+    one_gpu = write(tmp_path, entries, "one.json", placement="one_gpu")
+    assert bands_for(one_gpu, "cpu", "cpu", 2, "gpu_per_rank").bands is None
+    assert bands_for(one_gpu, "cpu", "cpu", 2, "one_gpu").bands is not None
+
+
 @pytest.mark.parametrize("entries, top, field", [
+    ({}, {"placement": "nvlink"}, "placement"),
     ({"2": {"all_reduce": [[1024, "threeshot"]]}}, {}, "entries.2.all_reduce[0]"),
     ({"2": {"all_gather": [[1024, "twoshot"]]}}, {}, "entries.2.all_gather[0]"),
     ({"2": {"all_reduce": [[4096, "oneshot"], [1024, "twoshot"]]}}, {}, "entries.2.all_reduce[1]"),
@@ -151,3 +172,18 @@ def test_info_shows_the_table_in_force(tmp_path, capsys):
     assert cli.main(["info", "--config", str(cfg)]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tuning table:")][0]
     assert path in line and "device cpu" in line and "[2, 4]" in line and "all_reduce" in line
+
+
+def test_the_shipped_h200_table_is_valid_and_says_where_it_applies():
+    """configs/tuning/h200.json (measured on the H200 with virtual ranks) loads, and applies only there."""
+    from pathlib import Path
+
+    from purlin_sglang.snac.table import bands_for
+
+    path = str(Path(__file__).resolve().parents[2] / "configs" / "tuning" / "h200.json")
+    table = load_table(path)
+    assert (table.device, table.engine, table.placement) == ("NVIDIA H200", "cuda", "one_gpu")
+    assert table.worlds == (2, 4, 8)
+    assert bands_for(path, "NVIDIA H200", "cuda", 8, "one_gpu").bands is not None
+    assert bands_for(path, "NVIDIA H200", "cuda", 8, "gpu_per_rank").bands is None
+    assert bands_for(path, "NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu").bands is None
