@@ -38,7 +38,7 @@ from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
 from ..moe.dispatch import MoEDispatch
 from ..moe.routing import quantize_fp8, route, send_positions
 from ..moe.validate import check_id_range
-from .cpu_moe import _DTYPE_CODE, exchange_header, overflow, reject
+from .cpu_moe import dtype_code, exchange_header, overflow, reject
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
@@ -281,7 +281,7 @@ class CudaMoE:
         r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
-            exchange_header(self.comm, op, (num_experts, k_n, hidden, _DTYPE_CODE[x.dtype], int(quant == "fp8"),
+            exchange_header(self.comm, op, (num_experts, k_n, hidden, dtype_code(x.dtype), int(quant == "fp8"),
                                             capacity or 0), t_n, self._to_device, self._to_host)
             matrix = self._to_host(self.comm.all_gather(r.counts)).view(world, num_experts)
             if capacity is not None:
