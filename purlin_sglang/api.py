@@ -29,7 +29,7 @@ from .errors import PurlinBrokenError, PurlinClosedError, PurlinError, PurlinPla
 from .memory import bootstrap, setup_phase
 from .moe import MoEDispatch
 from .moe.validate import check_combine, check_dispatch
-from .virtual import VirtualWorld, run_ranks
+from .virtual import VirtualWorld, run_world
 
 
 class Communicator:
@@ -386,33 +386,8 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")
-    cfg = coerce_config(config)
-    engine, memory = engines.select_engine(torch.device(device), cfg.memory, virtual=True)
-    vworld = VirtualWorld(world_size, cfg, torch.device(device))
-    comms: list[Communicator] = []
-    try:
-        comms = [Communicator._virtual(vworld, r, engine.name, memory) for r in range(world_size)]
-    except BaseException:
-        for c in comms:
-            c.close()
-        vworld.close()
-        raise
-    on_gpu = vworld.device.type == "cuda"
-
-    def call(r: int) -> Any:
-        out = fn(comms[r])
-        if on_gpu and not comms[r].closed:
-            comms[r].synchronize()  # results complete, and a recorded timeout raised here
-        return out
-
-    def on_error(r: int, e: BaseException) -> None:
-        comms[r]._engine.mark_broken(f"rank {r} raised {type(e).__name__}: {e}")
-
-    def close() -> None:
-        for c in comms:
-            c.close()
-
-    return run_ranks(vworld, call, on_error, close, reserve_bytes)
+    return run_world(world_size, fn, torch.device(device), coerce_config(config), reserve_bytes,
+                     make=Communicator._virtual, mark_broken=lambda comm, why: comm._engine.mark_broken(why))
 
 
 __all__ = ["Communicator", "run_virtual", "CacheInfo", "PurlinError", "PurlinPlanError"]

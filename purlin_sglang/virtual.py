@@ -61,6 +61,41 @@ class VirtualWorld:
             self.moe_regions.close()
 
 
+def run_world(world: int, fn: Callable[[Any], Any], device: torch.device, config: PurlinConfig, reserve_bytes: int,
+              *, make: Callable[..., Any], mark_broken: Callable[[Any, str], None]) -> list:
+    """The body of :func:`purlin_sglang.run_virtual` (which documents it): a virtual world of ``world``
+    ranks, ``make(vworld, rank, engine name, memory)`` builds each rank's communicator, ``fn`` runs
+    once per rank (:func:`run_ranks`), ``mark_broken(comm, why)`` releases a failed rank's peers."""
+    from . import engines
+
+    engine, memory = engines.select_engine(device, config.memory, virtual=True)
+    vworld = VirtualWorld(world, config, device)
+    comms: list[Any] = []
+    try:
+        comms = [make(vworld, r, engine.name, memory) for r in range(world)]
+    except BaseException:
+        for c in comms:
+            c.close()
+        vworld.close()
+        raise
+    on_gpu = vworld.device.type == "cuda"
+
+    def call(r: int) -> Any:
+        out = fn(comms[r])
+        if on_gpu and not comms[r].closed:
+            comms[r].synchronize()  # results complete, and a recorded timeout raised here
+        return out
+
+    def on_error(r: int, e: BaseException) -> None:
+        mark_broken(comms[r], f"rank {r} raised {type(e).__name__}: {e}")
+
+    def close() -> None:
+        for c in comms:
+            c.close()
+
+    return run_ranks(vworld, call, on_error, close, reserve_bytes)
+
+
 def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callable[[int, BaseException], None],
               close: Callable[[], None], reserve_bytes: int) -> list:
     """Run ``call(r)`` for every rank r, each in its own thread; return the results in rank order.
