@@ -1,6 +1,8 @@
 // extern "C" entry points of the MoE kernels (native/moe/): argument checks, then one launch.
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "kernels/launch.cuh"
 #include "moe/moe_kernel.cuh"
 #include "purlin/native.h"
@@ -15,7 +17,7 @@ int check(const PurlinMoeParams* params) {
   if (p.world < 1 || p.world > PURLIN_MOE_MAX_RANKS || p.rank < 0 || p.rank >= p.world || p.blocks < 1 ||
       p.local < 1 || p.local * p.world > PURLIN_MOE_MAX_EXPERTS || p.topk < 1 || p.topk > 32 || p.tokens < 0 ||
       p.tokens > p.max_tokens || p.capacity < 1 || p.payload_bytes % 16 || p.hdr_bytes % 16 || p.slot_bytes % 16 ||
-      p.ret_bytes % 16 || p.timeout_ns <= 0) {
+      p.ret_bytes % 16 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices) {
     return cudaErrorInvalidValue;
   }
   for (long long r = 0; r < p.world; ++r) {
@@ -24,9 +26,28 @@ int check(const PurlinMoeParams* params) {
   return cudaSuccess;
 }
 
+// Max resident blocks per SM of both MoE kernels (the smaller) on the current device `dev`; loads both
+// kernels (cached per device).
+cudaError_t min_blocks_per_sm(int dev, int* out) {
+  static std::atomic<int> cache[purlin::kernels::kMaxDevices] = {};
+  return purlin::kernels::per_device_cached(cache, dev, out, [](int, int* v) {
+    int per[2] = {0, 0};
+    cudaError_t e = purlin::kernels::blocks_per_sm(purlin::moe::moe_dispatch_kernel, purlin::moe::MoeConfig::kThreads,
+                                                   &per[0]);
+    if (e == cudaSuccess) {
+      e = purlin::kernels::blocks_per_sm(purlin::moe::moe_combine_kernel, purlin::moe::MoeConfig::kThreads, &per[1]);
+    }
+    *v = per[0] < per[1] ? per[0] : per[1];
+    return e;
+  });
+}
+
 int launch(Kernel k, const PurlinMoeParams* params, void* stream) {
-  const int err = check(params);
+  int err = check(params);
   if (err != cudaSuccess) return err;
+  // The blocks of one grid wait for each other (the last-block counters): all must be resident.
+  const cudaError_t e = purlin::kernels::use_device_coresident(int(params->device), params->blocks, min_blocks_per_sm);
+  if (e != cudaSuccess) return static_cast<int>(e);
   const purlin::kernels::LaunchShape shape{unsigned(params->blocks), purlin::moe::MoeConfig::kThreads, 0};
   return static_cast<int>(purlin::kernels::launch(k, shape, static_cast<cudaStream_t>(stream), *params));
 }
@@ -45,18 +66,6 @@ PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream) {
   return launch(purlin::moe::moe_combine_kernel, params, stream);
 }
 
-PURLIN_API int purlin_moe_occupancy(int* blocks_per_sm, int* sm_count) {
-  if (blocks_per_sm == nullptr || sm_count == nullptr) return cudaErrorInvalidValue;
-  // Load both kernels now (lazy loading during a peer's spin could deadlock co-resident ranks).
-  int per[2] = {0, 0};
-  const Kernel ks[2] = {purlin::moe::moe_dispatch_kernel, purlin::moe::moe_combine_kernel};
-  for (int i = 0; i < 2; ++i) {
-    cudaFuncAttributes attr;
-    cudaError_t e = cudaFuncGetAttributes(&attr, ks[i]);
-    if (e != cudaSuccess) return static_cast<int>(e);
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per[i], ks[i], purlin::moe::MoeConfig::kThreads, 0);
-    if (e != cudaSuccess) return static_cast<int>(e);
-  }
-  *blocks_per_sm = per[0] < per[1] ? per[0] : per[1];
-  return static_cast<int>(purlin::kernels::current_sm_count(sm_count));
+PURLIN_API int purlin_moe_occupancy(int device, int* blocks_per_sm, int* sm_count) {
+  return static_cast<int>(purlin::kernels::device_occupancy(device, min_blocks_per_sm, blocks_per_sm, sm_count));
 }

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "kernels/launch.cuh"
@@ -38,6 +39,30 @@ Kernel kernel_for(long long dtype, long long packets) {
   }
 }
 
+unsigned threads_for(long long packets) {
+  return packets ? purlin::snac::SnacConfig::kPacketThreads : purlin::snac::SnacConfig::kThreads;
+}
+
+// The fewest resident blocks per SM over EVERY interpreter and packet kernel, each at its own block
+// size, on the current device `dev` (cached per device; loads every kernel): every one of them needs
+// all blocks of all ranks on the GPU co-resident.
+cudaError_t min_blocks_per_sm(int dev, int* out) {
+  static std::atomic<int> cache[purlin::kernels::kMaxDevices] = {};
+  return purlin::kernels::per_device_cached(cache, dev, out, [](int, int* v) {
+    int best = -1;
+    for (long long d = 0; d <= PURLIN_DTYPE_INT64; ++d) {
+      for (long long packets = 0; packets <= 1; ++packets) {
+        int n = 0;
+        const cudaError_t e = purlin::kernels::blocks_per_sm(kernel_for(d, packets), threads_for(packets), &n);
+        if (e != cudaSuccess) return e;
+        if (best < 0 || n < best) best = n;
+      }
+    }
+    *v = best;
+    return cudaSuccess;
+  });
+}
+
 }  // namespace
 
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream) {
@@ -46,30 +71,19 @@ PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream)
   const Kernel k = kernel_for(p.dtype, p.packets);
   if (k == nullptr || p.world < 1 || p.world > PURLIN_SNAC_MAX_RANKS || p.rank < 0 || p.rank >= p.world ||
       p.blocks < 1 || p.blocks > PURLIN_SNAC_EPOCH_WORDS || p.n_ops < 0 || p.n_updates < 0 || (p.n_ops > 0 && p.ops == nullptr) ||
-      p.arrive_slots < 1 || p.timeout_ns <= 0) {
+      p.arrive_slots < 1 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices) {
     return cudaErrorInvalidValue;
   }
   for (long long r = 0; r < p.world; ++r) {
     if (p.bases[r] == nullptr) return cudaErrorInvalidValue;
   }
-  const unsigned threads = p.packets ? SnacConfig::kPacketThreads : SnacConfig::kThreads;
-  const purlin::kernels::LaunchShape shape{unsigned(p.blocks), threads, 0};
+  // The blocks of one grid wait for each other (arrival counters, barriers): all must be resident.
+  const cudaError_t err = purlin::kernels::use_device_coresident(int(p.device), p.blocks, min_blocks_per_sm);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const purlin::kernels::LaunchShape shape{unsigned(p.blocks), threads_for(p.packets), 0};
   return static_cast<int>(purlin::kernels::launch(k, shape, static_cast<cudaStream_t>(stream), p));
 }
 
-PURLIN_API int purlin_snac_occupancy(int dtype, int* blocks_per_sm, int* sm_count) {
-  const Kernel k = kernel_for(dtype, 0);
-  if (k == nullptr || blocks_per_sm == nullptr || sm_count == nullptr) return cudaErrorInvalidValue;
-  // Load every interpreter kernel now: with lazy module loading, a first launch while another
-  // rank's kernel spins could need a context synchronization (a deadlock for co-resident ranks).
-  for (long long d = 0; d <= PURLIN_DTYPE_INT64; ++d) {
-    for (long long packets = 0; packets <= 1; ++packets) {
-      cudaFuncAttributes attr;
-      const cudaError_t e = cudaFuncGetAttributes(&attr, kernel_for(d, packets));
-      if (e != cudaSuccess) return static_cast<int>(e);
-    }
-  }
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, k, SnacConfig::kThreads, 0);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  return static_cast<int>(purlin::kernels::current_sm_count(sm_count));
+PURLIN_API int purlin_snac_occupancy(int device, int* blocks_per_sm, int* sm_count) {
+  return static_cast<int>(purlin::kernels::device_occupancy(device, min_blocks_per_sm, blocks_per_sm, sm_count));
 }

@@ -3,7 +3,10 @@
 * ``demo``: runs every catalog collective on the best engine present for world
   sizes 2 to 8, checks each against a plain torch reference and prints a table;
   the exit code is 1 on any mismatch.
-* ``info``: what this installation has (native build, GPU, NVSHMEM, SGLang).
+* ``info``: what this installation has (native build, GPU, NVSHMEM, SGLang) and which tuning
+  table is in force (``--config PATH``: a purlin YAML config whose ``tuning.table`` is read).
+* ``tune``: measure the algorithms' crossovers on this machine and write a tuning table
+  (purlin_sglang/bench/tune.py).
 """
 
 from __future__ import annotations
@@ -22,16 +25,10 @@ from typing import Any, Callable
 import torch
 
 from . import __version__
+from .bench.environment import dist_version
 
 
-# -- references: plain torch, written from torch.distributed semantics ---------------------------
-def _reduce_ref(parts: list[torch.Tensor], op: str) -> torch.Tensor:
-    acc = parts[0].float().clone()
-    for p in parts[1:]:
-        acc = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](acc, p.float())
-    return acc.to(parts[0].dtype)
-
-
+# -- demo cases: inputs and the expected results (purlin_sglang.reference) ----------------------
 def _case_inputs(name: str, world: int, rows: int, cols: int, gen: torch.Generator):
     """Per-rank inputs and call arguments for one collective; sizes vary per rank for V forms."""
     def rnd(n: int) -> torch.Tensor:
@@ -55,24 +52,17 @@ def _case_inputs(name: str, world: int, rows: int, cols: int, gen: torch.Generat
 
 
 def _reference(name: str, world: int, cases) -> list[torch.Tensor]:
+    """What every rank must receive (torch.distributed semantics; sums in rank order, bitwise)."""
+    from . import reference as R
+
     xs = [c[0] for c in cases]
-    if name == "all_reduce":
-        return [_reduce_ref(xs, "sum")] * world
-    if name in ("all_gather", "all_gather_v"):
-        return [torch.cat(xs)] * world
     if name == "broadcast":
-        return [xs[0]] * world
-    if name == "reduce_scatter":
-        return [_reduce_ref([x.chunk(world)[r] for x in xs], "sum") for r in range(world)]
+        return [R.broadcast(xs, r, 0) for r in range(world)]
     if name == "reduce_scatter_v":
-        sizes = cases[0][1]["sizes"]
-        return [_reduce_ref([x.split(sizes)[r] for x in xs], "sum") for r in range(world)]
-    if name == "all_to_all":
-        return [torch.cat([x.chunk(world)[r] for x in xs]) for r in range(world)]
+        return [R.reduce_scatter_v(xs, r, cases[0][1]["sizes"]) for r in range(world)]
     if name == "all_to_all_v":
-        return [torch.cat([xs[p].split(cases[p][1]["input_splits"])[r] for p in range(world)])
-                for r in range(world)]
-    raise KeyError(name)
+        return [R.all_to_all_v(xs, r, [c[1]["input_splits"] for c in cases]) for r in range(world)]
+    return [getattr(R, name)(xs, r) for r in range(world)]
 
 
 def _call(comm, name: str, x: torch.Tensor, kw: dict) -> torch.Tensor:
@@ -152,13 +142,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _nvshmem() -> str:
     spec = importlib.util.find_spec("nvidia")
     if spec is None or not spec.submodule_search_locations:
@@ -166,9 +149,25 @@ def _nvshmem() -> str:
     for base in spec.submodule_search_locations:
         libs = sorted((Path(base) / "nvshmem" / "lib").glob("libnvshmem_host.so*"))
         if libs:
-            ver = _dist_version("nvidia-nvshmem-cu13") or _dist_version("nvidia-nvshmem-cu12") or "?"
+            ver = dist_version("nvidia-nvshmem-cu13") or dist_version("nvidia-nvshmem-cu12") or "?"
             return f"{ver} at {libs[0].parent}"
     return "not found (install the [cu12] or [cu13] extra)"
+
+
+def _table_in_force(config_path: str | None, gpus: list[str]) -> str:
+    """The tuning table a communicator of this config would use here, or the built-in thresholds."""
+    from .config import PurlinConfig
+
+    path = PurlinConfig.from_yaml(config_path).tuning.table if config_path else None
+    if path is None:
+        return "none: built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)"
+    from .snac.table import load_table
+
+    t = load_table(path)
+    here = gpus[0] if t.engine == "cuda" and gpus else "cpu"
+    applies = "in force" if t.device == here else f"NOT applied here (this machine: {here}): built-in thresholds"
+    return (f"{path}: device {t.device} ({t.engine} engine), worlds {list(t.worlds)}, "
+            f"collectives {', '.join(t.collectives)}; {applies}")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -188,8 +187,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "GPU": ", ".join(gpus) if gpus else "none visible to torch",
         "engines": "cpu (reference): available; cuda: " + cuda_engine_status(),
         "NVSHMEM": _nvshmem(),
-        "sglang": _dist_version("sglang") or "not installed (install the [sglang] extra)",
+        "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",
+        "tuning table": _table_in_force(args.config, gpus),
     }
     if args.json:
         print(json.dumps({**info, "native_build_info": b}, indent=2))
@@ -239,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=cmd_demo)
     i = sub.add_parser("info", help="print what this installation has")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--config", default=None, help="a purlin YAML config: show the tuning table it names")
     i.set_defaults(fn=cmd_info)
+    from .bench import tune
+
+    t = sub.add_parser("tune", help="measure the algorithms' crossovers here and write a tuning table (JSON)",
+                       description=tune.__doc__.split("\n\n")[0])
+    tune.add_arguments(t)
+    t.set_defaults(fn=tune.run)
     _add_bench(sub)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(args, "min_world", 1) < 1 or getattr(args, "max_world", 1) < getattr(args, "min_world", 1):
         p.error("need 1 <= --min-world <= --max-world")
     return args.fn(args)

@@ -9,6 +9,7 @@ reads no environment variables at run time; the build reads ``PURLIN_CUDA_ARCHS`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,23 @@ from .errors import PurlinConfigError
 from .snac.policy import TuningPolicy
 
 MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every bounded wait of purlin, derived from one ``timeout_s`` by :func:`timeouts`."""
+
+    call_s: float  # a rank waiting for a peer inside a call: the CPU engine's deadline, the launch gate
+    kernel_ns: int  # the same wait on the device (the CUDA kernels' bound)
+    setup_s: float  # each set-up phase of a Communicator (the gloo monitored barriers)
+    destroy_s: float  # the plugin's barrier before freeing a group's memory (at least 1 s)
+    join_s: float  # run_virtual waiting for a rank thread: its calls' waits, set-up and teardown
+
+
+def timeouts(timeout_s: float) -> Timeouts:
+    """The one place where every wait's bound comes from ``timeout_s`` (PurlinConfig.timeout_s)."""
+    return Timeouts(call_s=timeout_s, kernel_ns=int(timeout_s * 1e9), setup_s=timeout_s,
+                    destroy_s=max(1.0, timeout_s), join_s=timeout_s * 4 + 60)
 
 
 class MoESettings(BaseModel):
@@ -89,6 +107,11 @@ class PurlinConfig(BaseModel):
         except yaml.YAMLError as e:
             raise PurlinConfigError(f"purlin config {p}: not valid YAML: {e}") from None
         return cls.from_dict(data, source=f"purlin config {p}")
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The bound of every wait, from ``timeout_s`` (see :func:`timeouts`)."""
+        return timeouts(self.timeout_s)
 
     def replace(self, **changes: Any) -> "PurlinConfig":
         """A copy with ``changes`` applied and validated."""

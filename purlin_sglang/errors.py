@@ -79,6 +79,10 @@ class PurlinMismatchError(PurlinError, RuntimeError):
         self.peer = peer
 
 
+class PurlinPluginError(PurlinError, RuntimeError):
+    """The SGLang plugin cannot do what was asked (hooks missing, communicator not buildable)."""
+
+
 __all__ = [
     "PurlinError",
     "PurlinValueError",
@@ -91,4 +95,5 @@ __all__ = [
     "PurlinTimeoutError",
     "PurlinMismatchError",
     "PurlinCapacityError",
+    "PurlinPluginError",
 ]

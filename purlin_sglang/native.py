@@ -3,8 +3,15 @@
 Nothing happens at import: the library is located and loaded on the first call of
 :func:`load` (or a function that needs it) and cached for the process. The native ABI is plain
 ``extern "C"`` (``native/include/purlin/native.h``), bound here with ctypes; the library links
-no libtorch and carries its own static CUDA runtime, sharing the driver's primary context (and
-so the current device and the streams) with torch.
+no libtorch and carries its own static CUDA runtime, sharing the driver's primary contexts (and
+so the streams) with torch, but keeping its own current device: every launch and device query
+passes the CUDA device index, which the library makes current before it touches the device.
+
+The ABI is written twice, in C++ and here (the parameter structs, the dtype and reduce-op codes,
+the op-table encoding of ``engines/cuda_ops.py``, the error records). :func:`load` compares the
+two through ``purlin_native_layout()`` (:func:`check_layout`) and refuses a library that disagrees,
+naming each field or constant with both values: a stale or foreign build is an error at load,
+never a hang or a wrong sum.
 """
 
 from __future__ import annotations
@@ -12,13 +19,14 @@ from __future__ import annotations
 import ctypes
 import importlib
 import json
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -58,7 +66,7 @@ _ll = ctypes.c_longlong
 
 
 class SnacParams(ctypes.Structure):
-    """native.h's PurlinSnacParams (keep the field order in step with the header)."""
+    """native.h's PurlinSnacParams (compared field by field with the library's at load)."""
 
     _fields_ = [
         ("ops", ctypes.c_void_p), ("n_ops", _ll), ("n_updates", _ll),
@@ -68,7 +76,7 @@ class SnacParams(ctypes.Structure):
         ("notify_off", _ll), ("ack_off", _ll), ("sent_off", _ll), ("expect_off", _ll), ("acked_off", _ll),
         ("arrive_off", _ll), ("arrive_slots", _ll), ("exit_off", _ll), ("error_off", _ll), ("staging_off", _ll),
         ("timeout_ns", _ll), ("host_error", ctypes.c_void_p), ("tag", _ll),
-        ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll), ("packets", _ll),
+        ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll), ("packets", _ll), ("device", _ll),
     ]
 
 
@@ -77,7 +85,7 @@ _vp = ctypes.c_void_p
 
 
 class MoeParams(ctypes.Structure):
-    """native.h's PurlinMoeParams (keep the field order in step with the header)."""
+    """native.h's PurlinMoeParams (compared field by field with the library's at load)."""
 
     _fields_ = [("bases", ctypes.c_void_p * MOE_MAX_RANKS)] + [(n, _ll) for n in (
         "rank", "world", "blocks", "local", "topk", "tokens", "max_tokens", "capacity", "payload_bytes",
@@ -85,7 +93,137 @@ class MoeParams(ctypes.Structure):
         "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
         "host_error", "x", "scales", "dst", "le", "j", "send_pos", "counts", "tokens_to", "bad_ids", "out_x",
         "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "expert_out", "row_src", "row_slot",
-        "weights", "y")] + [("dtype", _ll)]
+        "weights", "y")] + [("dtype", _ll), ("device", _ll)]
+
+
+# THE dtype table of Python and C++: native.h's enum purlin_dtype (0 is no type: a copy-only schedule),
+# and enum purlin_reduce_op; compared with the library's at load.
+DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
+REDUCE_OP_CODES = {"sum": 1, "max": 2, "min": 3}
+REDUCE_MAX_SOURCES = 8
+# The SNAC kernels' host-mapped error record (native/include/purlin/encoding.h): word i is field i.
+SNAC_ERROR_WORDS = 16
+SNAC_ERROR_FIELDS = ("code", "op", "kind", "peer", "item", "rank", "target", "seen", "tag")
+SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2}
+# The MoE kernels' record (PURLIN_MOE_ERROR_WORDS words; word 0 one of these codes).
+MOE_ERROR_WORDS = 16
+MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4}
+
+
+class _AbiEntry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", _ll)]
+
+
+def _struct_layout(cname: str, cls: type) -> dict[str, int]:
+    out = {f"sizeof({cname})": ctypes.sizeof(cls)}
+    for name, _ in cls._fields_:
+        field = getattr(cls, name)
+        out[f"offsetof({cname}, {name})"] = field.offset
+        out[f"sizeof({cname}.{name})"] = field.size
+    return out
+
+
+def python_layout() -> dict[str, int]:
+    """What this package's Python side believes the native ABI is, under purlin_native_layout()'s names."""
+    from .memory import layout as wl
+    from .snac import encoding as co
+    from .memory import moe_layout
+
+    out = {"PURLIN_NATIVE_ABI_VERSION": ABI_VERSION}
+    out.update(_struct_layout("PurlinSnacParams", SnacParams))
+    out.update(_struct_layout("PurlinMoeParams", MoeParams))
+    out.update({
+        "PURLIN_SNAC_MAX_RANKS": SNAC_MAX_RANKS, "PURLIN_SNAC_OP_WORDS": co.OP_WORDS,
+        "PURLIN_SNAC_EPOCH_WORDS": wl.EPOCH_WORDS, "PURLIN_SNAC_ERROR_WORDS": SNAC_ERROR_WORDS,
+        "PURLIN_REDUCE_MAX_SOURCES": REDUCE_MAX_SOURCES, "PURLIN_MOE_MAX_RANKS": MOE_MAX_RANKS,
+        "PURLIN_MOE_MAX_EXPERTS": moe_layout.MAX_EXPERTS, "PURLIN_MOE_ERROR_WORDS": MOE_ERROR_WORDS,
+    })
+    out.update({f"PURLIN_DTYPE_{n.upper()}": v for n, v in DTYPE_CODES.items()})
+    out.update({f"PURLIN_REDUCE_{n.upper()}": v for n, v in REDUCE_OP_CODES.items()})
+    out.update({f"snac.op.{n}": v for n, v in co.OPCODES.items()})
+    out.update({f"snac.kind.{n.upper()}": v for v, n in co.KIND_NAMES.items()})
+    out.update({f"snac.buf.{b.name}": v for b, v in co.BUF_CODES.items()})
+    out.update({
+        "snac.word0.sub_shift": co.SUB_SHIFT, "snac.word0.nsrc_shift": co.NSRC_SHIFT,
+        "snac.word0.flags_shift": co.FLAGS_SHIFT, "snac.flag.INPLACE_ONLY": co.FLAG_INPLACE_ONLY,
+        "snac.ref.buf_shift": co.REF_BUF_SHIFT, "snac.ref.rank_shift": co.REF_RANK_SHIFT,
+        "snac.ref.rank_bits": co.REF_RANK_BITS, "snac.ref.offset_bits": co.REF_OFFSET_BITS,
+        "snac.packet.bytes": wl.PACKET_BYTES, "snac.packet.payload": wl.PACKET_PAYLOAD,
+    })
+    out.update({f"snac.error.{n}": i for i, n in enumerate(SNAC_ERROR_FIELDS)})
+    out.update({f"snac.error_code.{n}": v for n, v in SNAC_ERROR_CODES.items()})
+    out.update({f"moe.error_code.{n}": v for n, v in MOE_ERROR_CODES.items()})
+    return out
+
+
+def layout_problems(lib_layout: dict[str, int], mine: Optional[dict[str, int]] = None) -> list[str]:
+    """Each difference between the library's layout and this package's, one line each ([] if none)."""
+    from .memory import moe_layout
+
+    mine = python_layout() if mine is None else mine
+    lib_layout = dict(lib_layout)
+    problems = []
+    words = lib_layout.pop("moe.state_words", None)  # a bound, not a copy: the region's state area holds them
+    if words is None or words * 8 > moe_layout.STATE_BYTES:
+        problems.append(f"moe.state_words: the library has {words} words, memory/moe_layout.py's STATE_BYTES is "
+                        f"{moe_layout.STATE_BYTES} bytes")
+    for key in sorted(set(lib_layout) | set(mine)):
+        lv, pv = lib_layout.get(key), mine.get(key)
+        if lv == pv:
+            continue
+        if lv is None:
+            problems.append(f"{key}: Python has {pv}, the library has no such field or constant")
+        elif pv is None:
+            problems.append(f"{key}: the library has {lv}, Python has no such field or constant")
+        else:
+            problems.append(f"{key}: the library has {lv}, Python has {pv}")
+    return problems
+
+
+def _open_checked(path: str) -> ctypes.CDLL:
+    """The library at ``path`` opened with ctypes, its ABI version checked (any build, CUDA or not)."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.purlin_native_abi_version.argtypes = []
+        lib.purlin_native_abi_version.restype = ctypes.c_int
+        version = int(lib.purlin_native_abi_version())
+    except (OSError, AttributeError) as exc:
+        raise PurlinUnavailableError(f"native: cannot load {path} with ctypes ({exc}); {_REINSTALL}") from exc
+    if version != ABI_VERSION:
+        raise PurlinUnavailableError(
+            f"native: {path} has ABI {version}, this package needs {ABI_VERSION} (a stale build); {_REINSTALL}"
+        )
+    return lib
+
+
+def native_layout(lib: Optional[ctypes.CDLL] = None) -> dict[str, int]:
+    """The layout the native library was compiled with (``purlin_native_layout()``), as {name: value}.
+
+    Works on host-only builds too (no GPU needed). Raises :class:`PurlinUnavailableError` when the
+    module is not built or its ABI version is not this package's."""
+    if lib is None:
+        info = build_info()
+        if not info.get("built"):
+            raise PurlinUnavailableError(f"native: {info.get('reason')}")
+        lib = _open_checked(info["path"])
+    fn = lib.purlin_native_layout
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    fn.restype = ctypes.POINTER(_AbiEntry)
+    count = ctypes.c_int(0)
+    entries = fn(ctypes.byref(count))
+    return {entries[i].name.decode(): int(entries[i].value) for i in range(count.value)}
+
+
+def check_layout(lib: Optional[ctypes.CDLL] = None, path: str = "") -> None:
+    """Raise :class:`PurlinUnavailableError` naming every field or constant on which the native library
+    and this package disagree, with both values. Needs no GPU; :func:`load` calls it."""
+    problems = layout_problems(native_layout(lib))
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise PurlinUnavailableError(
+            f"native: {path or 'the native library'} does not match this package's Python side (ABI {ABI_VERSION}): "
+            f"{shown}. The library and the package come from different sources; {_REINSTALL}"
+        )
 
 
 class NativeLibrary:
@@ -103,45 +241,53 @@ class NativeLibrary:
         lib.purlin_cuda_error_string.restype = ctypes.c_char_p
         lib.purlin_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.purlin_cuda_device_count.restype = ctypes.c_int
-        lib.purlin_copy_atom.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.purlin_copy_atom.restype = ctypes.c_int
-        lib.purlin_copy_atom_ex.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int,
+        lib.purlin_native_last_device.argtypes = []
+        lib.purlin_native_last_device.restype = ctypes.c_int
+        # (dst, src, bytes, stream, max_blocks, device)
+        lib.purlin_copy_atom.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ]
-        lib.purlin_copy_atom_ex.restype = ctypes.c_int
-        lib.purlin_copy_atom_bulk.argtypes = lib.purlin_copy_atom_ex.argtypes
+        lib.purlin_copy_atom.restype = ctypes.c_int
+        lib.purlin_copy_atom_bulk.argtypes = lib.purlin_copy_atom.argtypes
         lib.purlin_copy_atom_bulk.restype = ctypes.c_int
         lib.purlin_reduce_atom.argtypes = [
             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ]
         lib.purlin_reduce_atom.restype = ctypes.c_int
         lib.purlin_snac_execute.argtypes = [ctypes.POINTER(SnacParams), ctypes.c_void_p]
         lib.purlin_snac_execute.restype = ctypes.c_int
-        lib.purlin_snac_occupancy.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        occupancy = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]  # (device, per SM, SMs)
+        lib.purlin_snac_occupancy.argtypes = occupancy
         lib.purlin_snac_occupancy.restype = ctypes.c_int
         for name in ("purlin_moe_dispatch", "purlin_moe_combine"):
             getattr(lib, name).argtypes = [ctypes.POINTER(MoeParams), ctypes.c_void_p]
             getattr(lib, name).restype = ctypes.c_int
-        lib.purlin_moe_occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        lib.purlin_moe_occupancy.argtypes = occupancy
         lib.purlin_moe_occupancy.restype = ctypes.c_int
         self.moe_dispatch = lib.purlin_moe_dispatch  # (byref(MoeParams), stream) -> cudaError_t
         self.moe_combine = lib.purlin_moe_combine
         self._lib = lib
         self.snac_execute = lib.purlin_snac_execute  # (byref(SnacParams), stream) -> cudaError_t; hot path
 
-    def snac_occupancy(self, dtype_code: int) -> tuple[int, int]:
-        """(resident interpreter blocks per SM, SM count) of the current device."""
+    def snac_occupancy(self, device: int = -1) -> tuple[int, int]:
+        """(resident blocks per SM of the interpreter and packet kernels, the fewest over all of them; the
+        SM count) of CUDA device ``device`` (-1: the library's current device), which it makes current."""
         per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
-        self.check("snac_occupancy", int(self._lib.purlin_snac_occupancy(dtype_code, ctypes.byref(per_sm),
+        self.check("snac_occupancy", int(self._lib.purlin_snac_occupancy(device, ctypes.byref(per_sm),
                                                                          ctypes.byref(sms))))
         return int(per_sm.value), int(sms.value)
 
-    def moe_occupancy(self) -> tuple[int, int]:
-        """(resident MoE-kernel blocks per SM, SM count) of the current device; loads both kernels."""
+    def moe_occupancy(self, device: int = -1) -> tuple[int, int]:
+        """(resident MoE-kernel blocks per SM, SM count) of CUDA device ``device``; loads both kernels."""
         per_sm, sms = ctypes.c_int(0), ctypes.c_int(0)
-        self.check("moe_occupancy", int(self._lib.purlin_moe_occupancy(ctypes.byref(per_sm), ctypes.byref(sms))))
+        self.check("moe_occupancy", int(self._lib.purlin_moe_occupancy(device, ctypes.byref(per_sm),
+                                                                       ctypes.byref(sms))))
         return int(per_sm.value), int(sms.value)
+
+    def last_device(self) -> int:
+        """The CUDA device the library's runtime was current on at its last launch or device query (-1: none)."""
+        return int(self._lib.purlin_native_last_device())
 
     def abi_version(self) -> int:
         return int(self._lib.purlin_native_abi_version())
@@ -161,37 +307,37 @@ class NativeLibrary:
         if code != 0:
             raise PurlinCudaError(f"{op}: CUDA error {code}: {self.error_string(code)}", code=code)
 
-    def copy_atom(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: int, max_blocks: int = 0) -> None:
-        """Enqueue dst[0:nbytes] = src[0:nbytes] on ``stream``; see :func:`copy_atom`."""
-        if max_blocks:
-            code = self._lib.purlin_copy_atom_ex(dst_ptr, src_ptr, nbytes, stream or None, max_blocks)
-        else:
-            code = self._lib.purlin_copy_atom(dst_ptr, src_ptr, nbytes, stream or None)
-        self.check("copy_atom", int(code))
+    def copy_atom(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: int, max_blocks: int = 0,
+                  device: int = -1) -> None:
+        """Enqueue dst[0:nbytes] = src[0:nbytes] on ``stream`` of CUDA device ``device`` (-1: the library's
+        current device); see :func:`copy_atom`."""
+        self.check("copy_atom", int(self._lib.purlin_copy_atom(dst_ptr, src_ptr, nbytes, stream or None, max_blocks,
+                                                               device)))
 
-    def copy_atom_bulk(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: int, max_blocks: int = 0) -> None:
+    def copy_atom_bulk(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: int, max_blocks: int = 0,
+                       device: int = -1) -> None:
         """The Hopper bulk-copy (TMA) variant of :meth:`copy_atom`, for pointers that agree modulo 16.
 
         Raises :class:`PurlinCudaError` (cudaErrorNotSupported) on a GPU older than sm_90, a build
         without sm_90 code, or a pair that differs in its misalignment. Measured against the plain
         atom per size in docs/RESULTS.md."""
         self.check("copy_atom_bulk", int(self._lib.purlin_copy_atom_bulk(dst_ptr, src_ptr, nbytes, stream or None,
-                                                                         max_blocks)))
+                                                                         max_blocks, device)))
 
     def reduce_atom(
         self, dst_ptr: int, src_ptrs: Sequence[int], nbytes: int, dtype: Any, op: Any, stream: int,
-        max_blocks: int = 0,
+        max_blocks: int = 0, device: int = -1,
     ) -> None:
-        """Enqueue dst = op(srcs...) over ``nbytes`` on ``stream``; see :func:`reduce_atom`."""
+        """Enqueue dst = op(srcs...) over ``nbytes`` on ``stream`` of ``device``; see :func:`reduce_atom`."""
         srcs, dtype_code, op_code = _check_reduce(dst_ptr, src_ptrs, nbytes, dtype, op, stream, max_blocks)
-        self._reduce(dst_ptr, srcs, nbytes, dtype_code, op_code, stream, max_blocks)
+        self._reduce(dst_ptr, srcs, nbytes, dtype_code, op_code, stream, max_blocks, device)
 
     def _reduce(self, dst_ptr: int, srcs: list, nbytes: int, dtype_code: int, op_code: int, stream: int,
-                max_blocks: int) -> None:
+                max_blocks: int, device: int = -1) -> None:
         """The native call on checked arguments and codes."""
         arr = (ctypes.c_void_p * len(srcs))(*srcs)
         code = self._lib.purlin_reduce_atom(
-            dst_ptr, arr, len(srcs), nbytes, dtype_code, op_code, stream or None, max_blocks
+            dst_ptr, arr, len(srcs), nbytes, dtype_code, op_code, stream or None, max_blocks, device
         )
         self.check("reduce_atom", int(code))
 
@@ -203,8 +349,9 @@ _LIB: Optional[NativeLibrary] = None
 def load() -> NativeLibrary:
     """The native library, loaded once per process; it needs a CUDA build and a visible GPU.
 
-    Raises :class:`PurlinUnavailableError` saying what is missing: the module is not built, it was
-    built without CUDA (and why), its ABI is stale, or no CUDA GPU is visible.
+    Raises :class:`PurlinUnavailableError` saying what is missing: the module is not built, its ABI
+    is stale, its layout differs from this package's (each field or constant named, both values:
+    :func:`check_layout`), it was built without CUDA (and why), or no CUDA GPU is visible.
     """
     global _LIB
     if _LIB is not None:
@@ -215,6 +362,8 @@ def load() -> NativeLibrary:
         info = build_info()
         if not info.get("built"):
             raise PurlinUnavailableError(f"native: {info.get('reason')}")
+        # The ABI version, then the layout: checked on every build (host-only too), before anything else.
+        check_layout(_open_checked(info["path"]), info["path"])
         if not info.get("cuda"):
             raise PurlinUnavailableError(
                 f"native: module {info.get('path')} was built without CUDA: {info.get('reason')}; to get the "
@@ -226,11 +375,6 @@ def load() -> NativeLibrary:
             raise PurlinUnavailableError(
                 f"native: cannot load {info.get('path')} with ctypes ({exc}); {_REINSTALL}"
             ) from exc
-        if lib.abi_version() != ABI_VERSION:
-            raise PurlinUnavailableError(
-                f"native: {info['path']} has ABI {lib.abi_version()}, this package needs {ABI_VERSION} "
-                f"(a stale build); {_REINSTALL}"
-            )
         code, count = lib.device_count()
         if code != 0 or count == 0:
             why = lib.error_string(code) if code != 0 else "no devices"
@@ -250,10 +394,8 @@ def _check_int(op: str, name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
-# The codes of native.h's enum purlin_dtype / enum purlin_reduce_op.
-_REDUCE_DTYPE_NAMES = {"bfloat16": 1, "float16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
-_REDUCE_OPS = {"sum": 1, "max": 2, "min": 3}
-REDUCE_MAX_SOURCES = 8
+_REDUCE_DTYPE_NAMES = DTYPE_CODES  # the one table (above), under its older names
+_REDUCE_OPS = REDUCE_OP_CODES
 
 
 _REDUCE_DTYPE_CODES: Optional[dict] = None
@@ -321,8 +463,20 @@ def _check_reduce(
     return srcs, codes[dtype], _REDUCE_OPS[op_name.lower()]
 
 
+def _device_arg(op: str, device: Optional[int]) -> int:
+    """The device index to pass: ``device``, else torch's current CUDA device where torch has initialised
+    CUDA in this process (the device of its current stream), else -1 (the library's current device)."""
+    if device is not None:
+        return _check_int(op, "device", device)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return -1
+
+
 def reduce_atom(
-    dst_ptr: int, src_ptrs: Sequence[int], nbytes: int, dtype: Any, op: Any, stream: int, max_blocks: int = 0
+    dst_ptr: int, src_ptrs: Sequence[int], nbytes: int, dtype: Any, op: Any, stream: int, max_blocks: int = 0,
+    device: Optional[int] = None,
 ) -> None:
     """Enqueue ``dst = op(src_ptrs[0], ..., src_ptrs[k-1])`` over ``nbytes`` on ``stream``.
 
@@ -333,21 +487,24 @@ def reduce_atom(
     (NaN payloads and the sign of a zero from max/min of +0 and -0 are unspecified). Pointers are
     device addresses (local, or a peer's memory mapped over NVLink) aligned to the element size;
     ``dst`` may equal one source (in place) but must not otherwise overlap one. ``max_blocks``
-    bounds the thread blocks (0: fill the device). Does not block the host; safe under CUDA graph
-    capture. Raises :class:`PurlinValueError` for bad arguments (before any CUDA call),
+    bounds the thread blocks (0: fill the device). ``device``: the CUDA device of the pointers and
+    the stream (default: torch's current device), made current for the launch. Does not block the
+    host; safe under CUDA graph capture. Raises :class:`PurlinValueError` for bad arguments (before any CUDA call),
     :class:`PurlinUnavailableError` when the native library cannot run, and
     :class:`PurlinCudaError` when the launch fails.
     """
     srcs, dtype_code, op_code = _check_reduce(dst_ptr, src_ptrs, nbytes, dtype, op, stream, max_blocks)
-    load()._reduce(dst_ptr, srcs, nbytes, dtype_code, op_code, stream, max_blocks)
+    dev = _device_arg("reduce_atom", device)
+    load()._reduce(dst_ptr, srcs, nbytes, dtype_code, op_code, stream, max_blocks, dev)
 
 
-def copy_atom(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
+def copy_atom(dst_ptr: int, src_ptr: int, nbytes: int, stream: int, device: Optional[int] = None) -> None:
     """Enqueue a device copy of ``nbytes`` from ``src_ptr`` to ``dst_ptr`` on ``stream``.
 
     Pointers are device addresses (local, or a peer's memory mapped over NVLink), any alignment;
     the ranges must not overlap. ``stream`` is a cudaStream_t as an int (0: the legacy default
-    stream), e.g. ``torch.cuda.current_stream().cuda_stream``. Does not block the host; safe under
+    stream), e.g. ``torch.cuda.current_stream().cuda_stream``; ``device`` its CUDA device (default:
+    torch's current device), made current for the launch. Does not block the host; safe under
     CUDA graph capture. Raises :class:`PurlinValueError` for bad arguments,
     :class:`PurlinUnavailableError` when the native library cannot run, and
     :class:`PurlinCudaError` (with the CUDA error string) when the launch fails.
@@ -358,10 +515,12 @@ def copy_atom(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> None:
     _check_int("copy_atom", "stream", stream)
     if nbytes and (dst_ptr == 0 or src_ptr == 0):
         raise PurlinValueError("copy_atom: dst_ptr and src_ptr must be non-null when nbytes > 0")
-    load().copy_atom(dst_ptr, src_ptr, nbytes, stream)
+    dev = _device_arg("copy_atom", device)
+    load().copy_atom(dst_ptr, src_ptr, nbytes, stream, 0, dev)
 
 
 __all__ = [
-    "ABI_VERSION", "MoeParams", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES", "SNAC_MAX_RANKS", "SnacParams",
-    "build_info", "copy_atom", "load", "reduce_atom", "reduce_dtype_code",
+    "ABI_VERSION", "DTYPE_CODES", "MoeParams", "NativeLibrary", "PurlinCudaError", "REDUCE_MAX_SOURCES",
+    "REDUCE_OP_CODES", "SNAC_MAX_RANKS", "SnacParams", "build_info", "check_layout", "copy_atom", "layout_problems",
+    "load", "native_layout", "python_layout", "reduce_atom", "reduce_dtype_code",
 ]

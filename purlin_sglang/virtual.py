@@ -1,4 +1,11 @@
-"""Loopback virtual ranks: the launch gate that makes ordinary host code in rank threads safe.
+"""Virtual ranks: N ranks as threads of one process (what ``run_virtual`` runs on).
+
+:class:`VirtualWorld` is their shared memory (host memory for the CPU engine, one loopback GPU
+allocation for the CUDA engine); :func:`run_ranks` runs one function per rank in its own thread
+(on CUDA: on a stream of its own, see :func:`rank_streams`) and reports the root-cause error.
+
+The rest of this module is the launch gate that makes ordinary host code in loopback rank
+threads safe.
 
 Virtual ranks on one GPU are threads of one process, each enqueuing its kernels on its own stream.
 A rank's collective kernel waits on the device for its peers' kernels. If a rank thread, right
@@ -17,8 +24,182 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
+from typing import Any, Callable
 
-from .errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
+import torch
+
+from .config import PurlinConfig
+from .errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError
+from .memory import HostWorkspace, WorkspaceLayout
+
+
+class VirtualWorld:
+    """Shared state of N virtual ranks in one process: host memory (CPU) or one loopback GPU allocation."""
+
+    def __init__(self, world: int, config: PurlinConfig, device: torch.device):
+        self.world, self.config = world, config
+        self.gate = None
+        if device.type == "cuda":
+            from .engines.cuda_moe import SharedRegions
+            from .memory.loopback import LoopbackWorld
+
+            self.gate = LaunchGate(world, config.timeouts.call_s)  # eager calls return once every rank launched
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            self.workspace = LoopbackWorld(world, config.staging_bytes, index)
+            self.moe_regions = SharedRegions()  # the MoE region, made by the first MoE call
+        else:
+            self.device = torch.device("cpu")
+            self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
+
+    def rank_workspace(self, rank: int):
+        return self.workspace.view(rank) if self.device.type == "cuda" else self.workspace
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            self.workspace.close()
+            self.moe_regions.close()
+
+
+def run_world(world: int, fn: Callable[[Any], Any], device: torch.device, config: PurlinConfig, reserve_bytes: int,
+              *, make: Callable[..., Any], mark_broken: Callable[[Any, str], None]) -> list:
+    """The body of :func:`purlin_sglang.run_virtual` (which documents it): a virtual world of ``world``
+    ranks, ``make(vworld, rank, engine name, memory)`` builds each rank's communicator, ``fn`` runs
+    once per rank (:func:`run_ranks`), ``mark_broken(comm, why)`` releases a failed rank's peers."""
+    from . import engines
+
+    engine, memory = engines.select_engine(device, config.memory, virtual=True)
+    vworld = VirtualWorld(world, config, device)
+    comms: list[Any] = []
+    try:
+        comms = [make(vworld, r, engine.name, memory) for r in range(world)]
+    except BaseException:
+        for c in comms:
+            c.close()
+        vworld.close()
+        raise
+    on_gpu = vworld.device.type == "cuda"
+
+    def call(r: int) -> Any:
+        out = fn(comms[r])
+        if on_gpu and not comms[r].closed:
+            comms[r].synchronize()  # results complete, and a recorded timeout raised here
+        return out
+
+    def on_error(r: int, e: BaseException) -> None:
+        mark_broken(comms[r], f"rank {r} raised {type(e).__name__}: {e}")
+
+    def close() -> None:
+        for c in comms:
+            c.close()
+
+    return run_ranks(vworld, call, on_error, close, reserve_bytes)
+
+
+def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callable[[int, BaseException], None],
+              close: Callable[[], None], reserve_bytes: int) -> list:
+    """Run ``call(r)`` for every rank r, each in its own thread; return the results in rank order.
+
+    On CUDA each rank runs on a stream of its own (inputs made before are complete before any rank
+    starts). ``on_error(r, e)`` runs in rank r's thread when ``call`` raised (release its peers
+    there); ``close()`` frees the ranks' resources once every thread has ended (on CUDA, after
+    every rank's kernels have ended). Raises the first root-cause error (not a PurlinBrokenError
+    that only follows from another rank's failure), or PurlinTimeoutError for a rank thread that
+    does not return within the configured join timeout.
+    """
+    world, cuda = vworld.world, vworld.device.type == "cuda"
+    results: list[Any] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+    if cuda:
+        streams, release_streams = rank_streams(vworld.device, world)
+        reserve(vworld.device, streams, reserve_bytes)
+        torch.cuda.synchronize(vworld.device)
+
+    def body(r: int) -> None:
+        try:
+            if cuda:
+                with torch.cuda.device(vworld.device), torch.cuda.stream(streams[r]):
+                    results[r] = call(r)
+            else:
+                results[r] = call(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[r] = e
+            on_error(r, e)
+            if vworld.gate is not None:
+                vworld.gate.fail(r, f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"purlin-vrank{r}", daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    join_s = vworld.config.timeouts.join_s
+    try:
+        for r, t in enumerate(threads):
+            t.join(join_s)
+            if t.is_alive():
+                raise PurlinTimeoutError(f"run_virtual: rank {r} did not return within {join_s:g}s", rank=r, missing=[r])
+    finally:
+        if cuda:  # every rank's kernels have ended (at worst by their timeouts) before memory is freed
+            torch.cuda.synchronize(vworld.device)
+        close()
+        vworld.close()
+        if cuda and not any(t.is_alive() for t in threads):
+            release_streams()  # (a rank thread still alive keeps its stream: leaked, not freed under it)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed
+        r, e = root[0]
+        if len(failed) > 1 and isinstance(e, Exception):
+            e.add_note(f"run_virtual: ranks {[f[0] for f in failed]} failed; this is rank {r}'s error")
+        raise e
+    return results
+
+
+def reserve(device: torch.device, streams: list, nbytes: int) -> None:
+    """Fill torch's caching allocator for each stream (its blocks serve later allocations on that
+    stream without a cudaMalloc): one large block of ``nbytes`` and 16 MiB of small blocks."""
+    for s in streams:
+        with torch.cuda.device(device), torch.cuda.stream(s):
+            big = torch.empty(max(0, int(nbytes)), dtype=torch.uint8, device=device)
+            small = [torch.empty(1 << 19, dtype=torch.uint8, device=device) for _ in range(32)]
+            del big, small
+
+
+def rank_streams(device: torch.device, n: int) -> tuple[list, Callable[[], None]]:
+    """``n`` CUDA streams of the rank threads, and a function that releases them.
+
+    Not torch's pool: ``torch.cuda.Stream()`` hands out 32 pooled streams round robin, so a rank's
+    stream could be the very stream another rank (or code in a rank thread that makes its own
+    ``torch.cuda.Stream()``) runs on; two ranks on one stream wait for each other's kernels and time
+    out. Streams of their own come from cuda-python when it is importable; otherwise pooled streams,
+    checked to be distinct here (code in rank threads must then not make streams of its own).
+    """
+    from .memory.ipc import error_text, load_cudart
+
+    try:
+        cudart = load_cudart()
+    except PurlinUnavailableError:
+        cudart = None
+    if cudart is not None:
+        handles = []
+        with torch.cuda.device(device):
+            for _ in range(n):
+                err, h = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+                if int(err) != 0:
+                    for made in handles:
+                        cudart.cudaStreamDestroy(made)
+                    raise PurlinError(f"run_virtual: cudaStreamCreateWithFlags: {error_text(cudart, err)}")
+                handles.append(h)
+
+        def release() -> None:
+            for h in handles:
+                cudart.cudaStreamDestroy(h)
+
+        return [torch.cuda.ExternalStream(int(h), device=device) for h in handles], release
+    streams = [torch.cuda.Stream(device=device) for _ in range(n)]
+    if len({s.cuda_stream for s in streams}) != n:
+        raise PurlinError(f"run_virtual: torch's stream pool gave {n} ranks fewer than {n} distinct streams; "
+                          "install cuda-python so the ranks get streams of their own")
+    return streams, lambda: None
 
 
 class LaunchGate:

@@ -1,13 +1,61 @@
-"""Shared test set-up: GPU tests are marked ``gpu`` and skip cleanly without a CUDA GPU."""
+"""Shared test set-up.
+
+* GPU tests are marked ``gpu`` and skip cleanly without a CUDA GPU.
+* CI switches that turn specific skips into failures, where the environment promises what the
+  skipped tests need: ``PURLIN_REQUIRE_SGLANG=1`` (SGLang is installed: a test skipped because
+  ``sglang`` or a part of it does not import fails) and ``PURLIN_REQUIRE_GPU=1`` (a CUDA GPU is
+  there: a test skipped for want of one fails). ``.ci/run`` sets the first, tools/gpu-*.sh the second.
+"""
+
+import os
+import re
 
 import pytest
 import torch
+
+GPU_SKIP = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+# (switch, the skip reasons it turns into failures)
+REQUIRED = (
+    ("PURLIN_REQUIRE_SGLANG", re.compile(r"could not import 'sglang\b|needs sglang", re.IGNORECASE)),
+    ("PURLIN_REQUIRE_GPU", re.compile(r"needs a CUDA GPU")),
+)
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip = pytest.mark.skip(reason=GPU_SKIP)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _fail_required_skip(report) -> None:
+    """A skip that a set PURLIN_REQUIRE_* switch forbids becomes a failure naming the switch."""
+    if not report.skipped or getattr(report, "wasxfail", None) is not None:
+        return
+    reason = _skip_reason(report)
+    for switch, pattern in REQUIRED:
+        if os.environ.get(switch) == "1" and pattern.search(reason):
+            report.outcome = "failed"
+            report.longrepr = f"{reason}\n{switch}=1: this skip is a failure here (the environment must provide it)"
+            return
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_required_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_required_skip(outcome.get_result())

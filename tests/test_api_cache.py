@@ -10,56 +10,40 @@ The CUDA engine's execute() is run on a fake native library (no GPU needed).
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import (  # noqa: E402
+from purlin_sglang.testing.collectives import (  # noqa: E402
     all_gather, all_gather_v, all_reduce, all_to_all_v, assert_bits_equal, broadcast, make_input, poison_like,
     reduce_ref,
 )
 from purlin_sglang import native  # noqa: E402
-from purlin_sglang.api import Communicator, _VirtualWorld  # noqa: E402
+from purlin_sglang.api import Communicator  # noqa: E402
 from purlin_sglang.collectives import ALL_GATHER, ReduceOp  # noqa: E402
 from purlin_sglang.config import PurlinConfig  # noqa: E402
 from purlin_sglang.engines import cuda as cuda_mod  # noqa: E402
+from purlin_sglang.engines.base import Engine  # noqa: E402
 from purlin_sglang.errors import (  # noqa: E402
     PurlinBrokenError, PurlinClosedError, PurlinCudaError, PurlinError, PurlinTimeoutError,
 )
 from purlin_sglang.memory.layout import DeviceLayout  # noqa: E402
+from purlin_sglang.virtual import VirtualWorld  # noqa: E402
 
 CFG = {"staging_bytes": 1 << 16, "timeout_s": 10}
 W = 3
 f32, bf16 = torch.float32, torch.bfloat16
 
 
-def count_full_path(comm) -> list:
-    """Count the calls that take the full (uncached) path; n[0] after each call."""
-    n = [0]
-    full = comm._run_checked
-
-    def counted(*args):
-        n[0] += 1
-        return full(*args)
-
-    comm._run_checked = counted
-    return n
+def misses(comm) -> int:
+    """Calls of ``comm`` that took the full (uncached) path so far."""
+    return comm.cache_info().misses
 
 
-class HitCounter(dict):
-    """The call cache, counting the lookups that found an entry."""
-
-    hits = 0
-
-    def get(self, key, default=None):
-        v = super().get(key, default)
-        if v is not None:
-            self.hits += 1
-        return v
+def hits(comm) -> int:
+    """Calls of ``comm`` whose shape was found in the call cache so far."""
+    return comm.cache_info().hits
 
 
 def inputs(seed, shape_of_rank, dtype, world=W):
@@ -75,7 +59,6 @@ def good_call(comm):
 # -- hits and misses -----------------------------------------------------------------------------------
 def test_a_repeated_call_takes_the_cached_path_and_stays_right():
     def fn(comm):
-        n = count_full_path(comm)
         r = comm.rank
         for i in range(3):
             xs = inputs(i, lambda p: (4, 5), bf16)  # fresh values each time, the same shape
@@ -87,7 +70,7 @@ def test_a_repeated_call_takes_the_cached_path_and_stays_right():
             y = xs[r].clone()
             assert comm.all_reduce(y, out=y) is y
             assert_bits_equal(y, want, "in place")
-        return n[0], len(comm._calls)
+        return misses(comm), comm.cache_info().calls
 
     assert ps.run_virtual(W, fn, config=CFG) == [(1, 1)] * W  # one full-path call, one entry
 
@@ -98,12 +81,11 @@ def test_a_change_of_shape_dtype_op_root_or_splits_misses_and_stays_right():
     sizes1, sizes2 = [1, 2, 1], [2, 1, 1]  # rank 2 has 1 row in both
 
     def fn(comm):
-        n = count_full_path(comm)
         r = comm.rank
         steps = []
 
         def step(miss, got, want, what):
-            steps.append((what, miss, n[0]))
+            steps.append((what, miss, misses(comm)))
             assert_bits_equal(got, want, what)
 
         xs = inputs(1, lambda p: (4, 2), f32)
@@ -200,12 +182,12 @@ def test_a_bad_call_after_a_good_one_raises_what_a_first_call_raises(good, bad, 
     def fn(comm):
         cold = error_of(lambda: bad(comm))
         good(comm)
-        comm._calls = HitCounter(comm._calls)
+        before = hits(comm)
         warm = error_of(lambda: bad(comm))
         assert (type(warm), str(warm)) == (type(cold), str(cold))
-        assert comm._calls.hits == (1 if cached else 0)
+        assert hits(comm) - before == (1 if cached else 0)
         good(comm)  # and the entry still serves good calls
-        assert comm._calls.hits == (2 if cached else 1)
+        assert hits(comm) - before == (2 if cached else 1)
         return good_call(comm)
 
     assert ps.run_virtual(W, fn, config=CFG) == [True] * W
@@ -218,7 +200,7 @@ def test_closed_communicator_raises_on_a_call_that_was_cached():
         comm.close()
         with pytest.raises(PurlinClosedError, match="^all_reduce: the communicator is closed"):
             comm.all_reduce(x)
-        assert len(comm._calls) == 0
+        assert comm.cache_info().calls == 0
         return True
 
     assert ps.run_virtual(W, fn, config=CFG) == [True] * W
@@ -228,11 +210,11 @@ def test_broken_communicator_raises_on_a_cache_hit():
     def fn(comm):
         x = x4(3)
         comm.all_reduce(x)
-        comm._calls = HitCounter(comm._calls)
+        before = hits(comm)
         comm._engine.mark_broken("test: broken on purpose")
         with pytest.raises(PurlinBrokenError, match="^all_reduce: the communicator is broken.*on purpose"):
             comm.all_reduce(x)
-        return comm._calls.hits
+        return hits(comm) - before
 
     assert ps.run_virtual(W, fn, config=CFG) == [1] * W
 
@@ -241,6 +223,8 @@ class RecordingEngine:
     """Stands in for CudaEngine under a Communicator: records each call, can report a recorded timeout."""
 
     name = "cuda"
+    packets = False
+    table_bytes = 0
 
     def __init__(self):
         self.broken, self.calls, self.timeout = None, [], None
@@ -253,6 +237,9 @@ class RecordingEngine:
             self.broken = self.broken or self.timeout
             raise PurlinTimeoutError(self.timeout, op="all_reduce", rank=0, missing=[1])
 
+    def synchronize(self) -> None:
+        self.check()
+
     def mark_broken(self, reason: str) -> None:
         self.broken = self.broken or reason
 
@@ -262,8 +249,9 @@ class RecordingEngine:
 
 def comm_over(engine, world: int = 2, rank: int = 0) -> Communicator:
     """A rank of a virtual CPU world whose engine is replaced (no other rank runs)."""
-    vw = _VirtualWorld(world, PurlinConfig(**CFG), torch.device("cpu"), "cpu")
-    comm = Communicator._virtual(vw, rank)
+    assert isinstance(engine, Engine)  # the stand-in keeps the engine contract
+    vw = VirtualWorld(world, PurlinConfig(**CFG), torch.device("cpu"))
+    comm = Communicator._virtual(vw, rank, "cpu", "host")
     comm._engine.close()
     comm._engine, comm.engine_name = engine, "cuda"
     return comm
@@ -275,11 +263,11 @@ def test_recorded_timeout_raises_on_a_cache_hit():
     x = x4(8)
     comm.all_reduce(x)
     comm.all_reduce(x)
-    comm._calls = HitCounter(comm._calls)
+    before = hits(comm)
     eng.timeout = "all_reduce: rank 0 waited 10s at op #3 (notify wait)"
     with pytest.raises(PurlinTimeoutError, match="waited 10s"):
         comm.all_reduce(x)
-    assert comm._calls.hits == 1 and len(eng.calls) == 2
+    assert hits(comm) - before == 1 and len(eng.calls) == 2
     comm.close()
 
 
@@ -301,20 +289,21 @@ def test_cached_calls_hand_the_engine_the_same_schedule_fingerprint_and_fresh_se
 
 
 # -- bounded ----------------------------------------------------------------------------------------
-def test_the_cache_is_bounded_and_drops_the_oldest_first():
+def test_the_cache_is_bounded_and_drops_the_oldest_first(monkeypatch):
+    monkeypatch.setattr(Communicator, "CALL_CACHE_SIZE", 4)
+
     def fn(comm):
-        comm.CALL_CACHE_SIZE = 4
-        n = count_full_path(comm)
+        assert comm.cache_info().maxsize == 4
         r = comm.rank
         for rows in range(1, 11):
             xs = inputs(rows, lambda p: (rows, 2), f32, world=2)
             assert_bits_equal(comm.all_reduce(xs[r]), all_reduce(xs, r), f"rows {rows}")
-        assert len(comm._calls) == 4 and n[0] == 10
+        assert comm.cache_info().calls == 4 and misses(comm) == 10
         for rows in (7, 8, 9, 10):  # the newest four: cached
             comm.all_reduce(x4(rows, 2))
-        assert n[0] == 10
+        assert misses(comm) == 10
         comm.all_reduce(x4(1, 2))  # the oldest: dropped
-        assert n[0] == 11 and len(comm._calls) == 4
+        assert misses(comm) == 11 and comm.cache_info().calls == 4
         return True
 
     assert ps.run_virtual(2, fn, config=CFG) == [True, True]
@@ -326,7 +315,7 @@ def test_the_default_bound_holds():
         assert 16 <= limit <= 4096
         for rows in range(1, limit + 40):
             comm.all_gather(torch.zeros(rows, dtype=torch.int8))
-        return len(comm._calls), limit
+        return comm.cache_info().calls, limit
 
     ((size, limit),) = ps.run_virtual(1, fn, config=CFG)
     assert size == limit
@@ -345,7 +334,7 @@ class FakeNativeLibrary:
                                   output=p.output, dtype=p.dtype, stream=stream))
         return self.code
 
-    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0) -> None:
+    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
 
     def error_string(self, code: int) -> str:

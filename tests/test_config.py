@@ -215,3 +215,35 @@ def test_communicator_without_torch_distributed():
     assert not dist.is_initialized()
     with pytest.raises(PurlinValueError, match="torch.distributed is not initialized.*run_virtual"):
         ps.Communicator(config={"staging_bytes": 4096})
+
+
+def test_plugin_config_is_parsed_once_per_process_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    from purlin_sglang.sglang import routing, settings
+
+    path = tmp_path / "purlin.yaml"
+    path.write_text("timeout_s: 7\n")
+    parsed = []
+    real = routing.PluginConfig.from_yaml.__func__
+
+    def counting(cls, p):
+        parsed.append(p)
+        return real(cls, p)
+
+    monkeypatch.setattr(routing.PluginConfig, "from_yaml", classmethod(counting))
+    first = settings.CommSettings("purlin", str(path)).load_config()
+    again = [settings.CommSettings("purlin", str(path)).load_config() for _ in range(3)]  # e.g. one per group
+    assert first.purlin.timeout_s == 7 and all(c is first for c in again) and len(parsed) == 1
+    path.write_text("timeout_s: 9.5\n")  # another size (and mtime): read again
+    assert settings.load_plugin_config(str(path)).purlin.timeout_s == 9.5 and len(parsed) == 2
+    path.unlink()
+    with pytest.raises(PurlinConfigError, match="cannot read"):
+        settings.load_plugin_config(str(path))
+
+
+def test_every_timeout_comes_from_timeout_s():
+    from purlin_sglang.config import timeouts
+
+    t = PurlinConfig(timeout_s=2.5).timeouts
+    assert t == timeouts(2.5)
+    assert (t.call_s, t.kernel_ns, t.setup_s, t.destroy_s, t.join_s) == (2.5, 2_500_000_000, 2.5, 2.5, 70.0)
+    assert timeouts(0.25).destroy_s == 1.0  # the plugin's destroy barrier waits at least a second

@@ -100,7 +100,8 @@ def test_build_info_without_the_module(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")
 def test_host_only_build_says_why(tmp_path):
-    """PURLIN_DISABLE_CUDA=1: the host-only module builds and reports why CUDA is missing."""
+    """PURLIN_DISABLE_CUDA=1: the host-only module builds, reports why CUDA is missing, and exports the
+    layout native.load() checks."""
     build = tmp_path / "build"
     env = dict(os.environ, PURLIN_DISABLE_CUDA="1")
     cfg = subprocess.run(
@@ -119,3 +120,5 @@ def test_host_only_build_says_why(tmp_path):
     assert info["cuda"] is False and info["archs"] == [] and info["nvcc"] is None
     assert "PURLIN_DISABLE_CUDA" in info["reason"]
     assert not hasattr(lib, "purlin_copy_atom")
+    # The same layout as the CUDA build, checked the same way (native.load() does this first).
+    assert native.layout_problems(native.native_layout(native._open_checked(str(so)))) == []

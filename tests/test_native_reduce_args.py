@@ -22,8 +22,9 @@ class _FakeLib:
     def __init__(self):
         self.calls = []
 
-    def purlin_reduce_atom(self, dst, srcs, nsrc, nbytes, dtype, op, stream, max_blocks):
+    def purlin_reduce_atom(self, dst, srcs, nsrc, nbytes, dtype, op, stream, max_blocks, device):
         self.calls.append((dst, [srcs[i] for i in range(nsrc)], nsrc, nbytes, dtype, op, stream, max_blocks))
+        self.device = device
         return 0
 
 

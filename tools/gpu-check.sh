@@ -1,6 +1,7 @@
 #!/bin/bash
 # One-call GPU check on the device machine: build, every GPU test, a demo run. Logs under $OUT.
 # Needs pydantic wheels in .whl/ (../shared/tools/device-wheels.sh) carried with the call.
+export PURLIN_REQUIRE_GPU=1  # a GPU test that skips for want of a GPU fails here (tests/conftest.py)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 export CUDA_MODULE_LOADING=EAGER

@@ -2,6 +2,7 @@
 # One device call for the MoE work (issue 13): wheels, build, the MoE GPU tests, the MoE bench.
 # Logs and JSON under $OUT. Needs the pydantic wheels in .whl/ carried (../shared/tools/device-wheels.sh).
 # TESTS (default tests/gpu/test_moe.py), BENCH=0 skips the bench, PT/BT: timeouts.
+export PURLIN_REQUIRE_GPU=1  # a GPU test that skips for want of a GPU fails here (tests/conftest.py)
 export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader; date -u

@@ -6,6 +6,7 @@
 #   SKIP_BUILD=1   the wheels (in /tmp/site) and the build are already there
 #   PT=seconds     pytest time limit (default 300)
 #   NVSHMEM_DEBUG  passed through (default WARN: NVSHMEM's own warnings land in the pytest log)
+export PURLIN_REQUIRE_GPU=1  # a GPU test that skips for want of a GPU fails here (tests/conftest.py)
 W=${WHEELS:-.whlp}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 NVSHMEM_DEBUG=${NVSHMEM_DEBUG:-WARN}

@@ -4,6 +4,7 @@
 # imports (printing why, if one fails), run tests/gpu/test_sglang_cuda.py. Logs under $OUT.
 # Carry [".whl"]; the wheel list and how to fetch it: docs/SGLANG.md ("CUDA groups" section).
 #   PT=seconds for pytest (default 360)
+export PURLIN_REQUIRE_GPU=1  # a GPU test that skips for want of a GPU fails here (tests/conftest.py)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u

@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(BulkConfig::kThreads) bulk_copy_kernel(BulkPar
 
 // Whether this build has sm_90+ code of the bulk kernel for the current device (cached per device).
 inline cudaError_t bulk_copy_supported(bool* ok) {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "purlin/encoding.h"
 #include "purlin/native.h"
 #include "snac/ops.cuh"
 
@@ -42,9 +43,7 @@ struct MoeConfig {
   static constexpr unsigned kThreads = 512;
 };
 
-enum StateWord : int { kDispEpoch = 0, kCombEpoch = 1, kDispArrive = 2, kDispExit = 3, kCombArrive = 4,
-                       kCombExit = 5, kFatal = 6 };
-enum ErrorCode : int { kTimeout = 1, kOverflow = 2, kBadIds = 3, kMismatch = 4 };
+// StateWord and ErrorCode: purlin/encoding.h (exported by purlin_native_layout).
 
 __device__ __forceinline__ char* own(const PurlinMoeParams& p) { return static_cast<char*>(p.bases[p.rank]); }
 __device__ __forceinline__ long long* state(const PurlinMoeParams& p) {

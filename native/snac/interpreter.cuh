@@ -216,7 +216,16 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
     switch (int(w0 & 0xff)) {
       case kCopy: exec_copy(o, p); break;
       case kReduce:
-        if constexpr (!std::is_same_v<T, void>) exec_reduce<T>(o, p);
+        if constexpr (std::is_same_v<T, void>) {  // a reduce in the copy-only kernel: never skipped
+          if (lead) record_bad_record(p, i, w0);
+          return;
+        } else {
+          if (!reduce_record_ok(w0)) {
+            if (lead) record_bad_record(p, i, w0);
+            return;
+          }
+          exec_reduce<T>(o, p);
+        }
         break;
       case kSignal: {  // a run of signals: one arrival, then the last block gives them all
         const long long n = run_length(p, i, kSignal);
@@ -245,7 +254,9 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
         __syncthreads();
         if (__syncthreads_or(lead && !exec_barrier(o, p, i))) return;
         break;
-      default: break;
+      default:  // an unknown opcode (or a packet one): recorded, never skipped
+        if (lead) record_bad_record(p, i, w0);
+        return;
     }
   }
   __syncthreads();

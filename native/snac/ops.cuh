@@ -4,7 +4,9 @@
 // A table holds fixed records of PURLIN_SNAC_OP_WORDS int64 words; word 0 is
 //   opcode | sub << 8 | nsrc << 16 | flags << 24
 // and a buffer reference ("ref") is  buf << 62 | rank << 48 | byte offset (48 bits), with buf
-// INPUT / OUTPUT (this call's tensors) or STAGE (rank's staging).
+// INPUT / OUTPUT (this call's tensors), STAGE (rank's staging) or WINDOW (rank's packets to me).
+// A record the kernel cannot run (an unknown opcode, a reduce in the copy-only kernel, a reduce
+// with an unknown operator or source count) is recorded as an error (kErrBadRecord), never skipped.
 //   COPY     w1 dst ref, w2 src ref, w3 bytes
 //   REDUCE   sub = purlin_reduce_op, nsrc sources: w1 dst ref, w2 bytes, w3.. source refs (rank order)
 //   SIGNAL   sub = kind (notify | ack): w1 peer, w2 item, w3 arrival slot, w4 k; the value written
@@ -24,18 +26,14 @@
 #pragma once
 #include <cstdint>
 
+#include "purlin/encoding.h"
 #include "purlin/native.h"
 
 namespace purlin::snac {
 
-enum Opcode : int {
-  kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6, kPacketPut = 7, kPacketReduce = 8,
-  kPacketCopy = 9
-};
-enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3, kPacketKind = 4 };
-enum Buf : int { kInput = 0, kOutput = 1, kStage = 2, kWindow = 3 };
+// Opcode, Kind, Buf, the shifts, the flags and the error record: purlin/encoding.h (exported by
+// purlin_native_layout and compared with the Python encoder at load).
 constexpr unsigned kOpWords = PURLIN_SNAC_OP_WORDS;
-constexpr long long kFlagInPlaceOnly = 1;
 
 struct SnacConfig {
   static constexpr unsigned kThreads = 512;
@@ -78,22 +76,40 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 __device__ __forceinline__ char* own(const PurlinSnacParams& p) { return static_cast<char*>(p.bases[p.rank]); }
 
-// Thread 0 of a block: record the first timeout of this rank (device word, then the host-mapped record).
-__device__ inline void record_timeout(const PurlinSnacParams& p, long long op, int kind, long long peer,
-                                      long long item, long long target, long long seen) {
+// One thread: record the first error of this rank (device word, then the host-mapped record).
+__device__ inline void record_error(const PurlinSnacParams& p, long long code, long long op, int kind,
+                                    long long peer, long long item, long long target, long long seen) {
   auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
   if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return;
   long long* h = p.host_error;
-  st_volatile(h + 1, op);
-  st_volatile(h + 2, kind);
-  st_volatile(h + 3, peer);
-  st_volatile(h + 4, item);
-  st_volatile(h + 5, p.rank);
-  st_volatile(h + 6, target);
-  st_volatile(h + 7, seen);
-  st_volatile(h + 8, p.tag);
+  st_volatile(h + kErrOp, op);
+  st_volatile(h + kErrKind, kind);
+  st_volatile(h + kErrPeer, peer);
+  st_volatile(h + kErrItem, item);
+  st_volatile(h + kErrRank, p.rank);
+  st_volatile(h + kErrTarget, target);
+  st_volatile(h + kErrSeen, seen);
+  st_volatile(h + kErrTag, p.tag);
   __threadfence_system();
-  st_volatile(h, 1);
+  st_volatile(h + kErrCode, code);
+}
+
+// Thread 0 of a block: record the first timeout of this rank.
+__device__ inline void record_timeout(const PurlinSnacParams& p, long long op, int kind, long long peer,
+                                      long long item, long long target, long long seen) {
+  record_error(p, kErrTimeout, op, kind, peer, item, target, seen);
+}
+
+// One thread: record op `index` (word 0 `w0`) as a record this kernel cannot run; the kernel then
+// returns in every thread (every block meets the same record). Kind = the opcode, target = p.dtype.
+__device__ inline void record_bad_record(const PurlinSnacParams& p, long long index, long long w0) {
+  record_error(p, kErrBadRecord, index, int(w0 & 0xff), -1, 0, p.dtype, w0);
+}
+
+// A REDUCE / PACKET_REDUCE word 0 names a known operator and 1 to 8 sources.
+__device__ __forceinline__ bool reduce_record_ok(long long w0) {
+  const int op = int((w0 >> kSubShift) & 0xff), k = int((w0 >> kNsrcShift) & 0xff);
+  return op >= PURLIN_REDUCE_SUM && op <= PURLIN_REDUCE_MIN && k >= 1 && k <= PURLIN_REDUCE_MAX_SOURCES;
 }
 
 }  // namespace purlin::snac

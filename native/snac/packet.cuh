@@ -29,8 +29,7 @@
 
 namespace purlin::snac {
 
-constexpr int kPacketBytes = 16;
-constexpr int kPacketPayload = 8;
+// kPacketBytes, kPacketPayload: purlin/encoding.h.
 
 __device__ __forceinline__ void st_packet(char* p, uint64_t data, uint32_t flag) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(uint32_t(data)), "r"(flag),
@@ -243,14 +242,23 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
     switch (int(o[0] & 0xff)) {
       case kPacketPut: exec_packet_put(o, p, epoch); break;
       case kPacketReduce:
-        if constexpr (!std::is_same_v<T, void>) {
+        if constexpr (std::is_same_v<T, void>) {  // a reduce in the copy-only kernel: never skipped
+          if (threadIdx.x == 0) record_bad_record(p, i, o[0]);
+          return;
+        } else {
+          if (!reduce_record_ok(o[0])) {
+            if (threadIdx.x == 0) record_bad_record(p, i, o[0]);
+            return;
+          }
           if (__syncthreads_or(!exec_packet_reduce<T>(o, p, epoch, i))) return;
         }
         break;
       case kPacketCopy:
         if (__syncthreads_or(!exec_packet_copy(o, p, epoch, i))) return;
         break;
-      default: break;
+      default:  // an unknown opcode (or a staged one): recorded, never skipped
+        if (threadIdx.x == 0) record_bad_record(p, i, o[0]);
+        return;
     }
   }
   __syncthreads();  // every thread of this block has read the epoch (and finished its packets)

@@ -44,7 +44,7 @@ def _symm_mem_reason() -> str | None:
 
 
 def run_baselines(args, opts: Options, device: torch.device) -> tuple[list[dict], list[dict]]:
-    from .collectives import make_row
+    from .rows import make_row
 
     rows, skipped = [], []
 

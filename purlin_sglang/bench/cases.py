@@ -83,26 +83,20 @@ def purlin_call(comm, case: Case, x: torch.Tensor, out: torch.Tensor) -> torch.T
     return getattr(comm, name)(x, out=out)
 
 
-def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    acc = parts[0].float().clone()
-    for p in parts[1:]:
-        acc.add_(p.float())
-    return acc.to(parts[0].dtype)
-
-
 def reference(case: Case, xs: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """What rank ``rank`` must receive, from every rank's input, in plain torch (f32 sums, rank order)."""
+    """What rank ``rank`` must receive, from every rank's input (purlin_sglang.reference: sums in rank
+    order, 16-bit floats accumulated in float32). V forms use equal splits."""
+    from .. import reference as R
+
     n, name = case.world, case.collective
-    if name == "all_reduce":
-        return _sum(xs)
-    if name in ("all_gather", "all_gather_v"):
-        return torch.cat(xs)
     if name == "broadcast":
-        return xs[ROOT]
+        return R.broadcast(xs, rank, ROOT)
     if name in ("reduce_scatter", "reduce_scatter_v"):
-        return _sum([x.chunk(n)[rank] for x in xs])
+        return R.reduce_scatter(xs, rank)
     if name in ("all_to_all", "all_to_all_v"):
-        return torch.cat([x.chunk(n)[rank] for x in xs])
+        return R.all_to_all(xs, rank)
+    if name in ("all_reduce", "all_gather", "all_gather_v"):
+        return getattr(R, name)(xs, rank)
     raise ValueError(f"bench: unknown collective {name!r}")
 
 

@@ -13,18 +13,17 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import metrics
 from .cases import DTYPES, make_case
-from .metrics import human_bytes, parse_size, percentile, size_sweep
+from .metrics import human_bytes, parse_size, size_sweep
+from .environment import environment
 from .purlin_runner import Options, run_purlin
+from .rows import error_row, make_row
 
 H200_L2 = 60 << 20
 BASELINES = ("nccl", "symm_mem", "sglang", "gloo")
@@ -131,56 +130,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.out is None:
         args.out = str(Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     return args
-
-
-def environment(device: str) -> dict[str, Any]:
-    from .. import __version__, native
-    from ..cli import _dist_version
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "gpu": gpus[0] if gpus else None,
-        "gpu_count": len(gpus),
-        "cpu_count": os.cpu_count(),
-        "purlin_sglang": __version__,
-        "native_build_info": native.build_info(),
-        "sglang": _dist_version("sglang"),
-        "device": device,
-    }
-
-
-def make_row(impl: str, engine: str, case, mode: str, dtype: str, samples: list[float], ok: bool,
-             exact: bool, err: float, buffers: int, floor: dict | None = None) -> dict[str, Any]:
-    med = percentile(samples, 50)
-    row = {
-        "impl": impl, "engine": engine, "collective": case.collective, "world": case.world,
-        "bytes": case.nbytes, "requested_bytes": case.nominal, "in_bytes": case.in_numel * case.elsize,
-        "out_bytes": case.out_numel * case.elsize, "mode": mode, "dtype": dtype,
-        "time_us_median": med * 1e6, "time_us_p10": percentile(samples, 10) * 1e6,
-        "time_us_p90": percentile(samples, 90) * 1e6,
-        "algbw_GBps": metrics.algbw_gbps(case.nbytes, med),
-        "busbw_GBps": metrics.busbw_gbps(case.collective, case.world, case.nbytes, med),
-        "correct": ok, "exact": exact, "max_abs_err": err, "iters": len(samples), "buffers": buffers,
-    }
-    if floor is not None:
-        from .floor import floor_us
-
-        f = floor_us(floor, case.world, row["in_bytes"], row["out_bytes"])
-        row["floor_us"] = f
-        row["of_floor"] = f / row["time_us_median"] if med > 0 else None
-    return row
-
-
-def error_row(impl: str, case, mode: str, dtype: str, error: str) -> dict[str, Any]:
-    return {"impl": impl, "engine": None, "collective": case.collective, "world": case.world,
-            "bytes": case.nbytes, "requested_bytes": case.nominal, "mode": mode, "dtype": dtype,
-            "correct": False, "error": error}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -289,7 +289,7 @@ def make_rows(args, tokens: int, dtype_name: str, run: dict, floor: dict | None)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .collectives import environment
+    from .environment import environment
     from .moe_report import format_table, plot
 
     try:

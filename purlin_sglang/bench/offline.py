@@ -377,8 +377,15 @@ def _num(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def plot_compare(rows: list[dict[str, Any]], backends: list[str], path: Path) -> Optional[str]:
-    """Bar charts (throughputs, latency) to ``path``; returns a note instead when it cannot."""
+def legend_names(backends: list[str], nccl_free: bool) -> dict[str, str]:
+    """What each backend name means on a chart: under --nccl-free, "nccl" is SGLang's own collectives on gloo."""
+    return {b: ("nccl (SGLang's collectives on gloo)" if nccl_free and b == "nccl" else b) for b in backends}
+
+
+def plot_compare(rows: list[dict[str, Any]], backends: list[str], path: Path, *,
+                 names: Optional[dict[str, str]] = None, subtitle: str = "") -> Optional[str]:
+    """Bar charts (throughputs, latency) to ``path``; returns a note instead when it cannot. ``names``:
+    legend text per backend; ``subtitle``: a second title line (tp, order of the runs)."""
     try:
         import matplotlib
 
@@ -395,12 +402,12 @@ def plot_compare(rows: list[dict[str, Any]], backends: list[str], path: Path) ->
         for i, b in enumerate(backends):
             ys = [by[k]["values"].get(b) or 0 for k in keys]
             xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(keys))]
-            ax.bar(xs, ys, width, label=b, color=f"C{i}")
+            ax.bar(xs, ys, width, label=(names or {}).get(b, b), color=f"C{i}")
         ax.set_xticks(range(len(keys)), [by[k]["label"].replace(" throughput", "") for k in keys], fontsize=8)
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("SGLang offline throughput: " + " vs ".join(backends))
+    fig.suptitle("SGLang offline throughput: " + " vs ".join(backends) + (f"\n{subtitle}" if subtitle else ""))
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
@@ -481,7 +488,9 @@ def run(args: argparse.Namespace) -> int:
     note = None
     if results:
         print(format_table(rows, [b for b in plan.backends if b in results]))
-        note = plot_compare(rows, [b for b in plan.backends if b in results], plan.out / "offline.png")
+        done = [b for b in plan.backends if b in results]
+        note = plot_compare(rows, done, plan.out / "offline.png", names=legend_names(done, plan.nccl_free),
+                            subtitle=f"TP={plan.tp}, run one after the other in this order: {', '.join(done)}")
     print(f"wrote {plan.out / 'offline.json'}" + ("" if note or not results else f" and {plan.out / 'offline.png'}"))
     if note:
         print(note)
@@ -491,7 +500,7 @@ def run(args: argparse.Namespace) -> int:
 def _environment() -> dict[str, Any]:
     import torch
 
-    from .collectives import environment
+    from .environment import environment
 
     return environment("cuda" if torch.cuda.is_available() else "cpu")
 

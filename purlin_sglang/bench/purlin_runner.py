@@ -33,6 +33,7 @@ class Options:
     l2_bytes: int
     seed: int
     timeout_s: float
+    tuning: dict | None = None  # the communicators' tuning section (e.g. a forced algorithm: tune.py)
 
     def buffers(self, case: Case, sharing_l2: int) -> int:
         """Input buffers to rotate through: ``rotate`` when the inputs sharing one L2 exceed it."""
@@ -126,7 +127,8 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             raise
 
     try:
-        return run_virtual(world, guarded, device=device, config={"timeout_s": opts.timeout_s})
+        config = {"timeout_s": opts.timeout_s, **({"tuning": opts.tuning} if opts.tuning else {})}
+        return run_virtual(world, guarded, device=device, config=config)
     except BaseException as e:
         if first and first[0] is not e:
             raise first[0] from None

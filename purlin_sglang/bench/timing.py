@@ -50,3 +50,25 @@ def time_graph_replays(graph: Any, side: Any, calls: int, warmup: int, iters: in
         side.synchronize()
         barrier()
         return [t / calls for t in time_each(lambda i: graph.replay(), iters, side)]
+
+
+def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each timed alone with CUDA events on the
+    current stream (the host waits after every call), after ``warmup`` untimed calls. (The atom
+    benchmarks, tests/gpu/bench_*_atom.py.)"""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -1,8 +1,14 @@
-"""Engines: the datapaths that execute SNAC schedules. A registry, chosen by device."""
+"""Engines: the datapaths that execute SNAC schedules. A registry, chosen by device.
+
+Every engine implements :class:`~.base.Engine` (its MoE part :class:`~.base.MoEEngine`) and is
+built by name with :func:`create` (:func:`create_moe`); the classes are imported on first use.
+"""
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,12 +22,17 @@ class EngineInfo:
     priority: int
     memories: tuple[str, ...]  # providers it can run on; the first is what "auto" picks
     virtual_memories: tuple[str, ...] = ()  # providers for run_virtual (ranks in one process)
+    engine: str = ""  # "module:class" of the collectives engine (an Engine)
+    moe: str = ""  # "module:class" of the MoE engine (a MoEEngine), built with the Communicator
 
 
 ENGINES: tuple[EngineInfo, ...] = (
-    EngineInfo("cpu", "cpu", 0, ("host",), ("host",)),
-    EngineInfo("cuda", "cuda", 10, ("ipc", "torch", "nvshmem"), ("loopback",)),
+    EngineInfo("cpu", "cpu", 0, ("host",), ("host",),
+               "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.engines.cpu:CpuMoE"),
+    EngineInfo("cuda", "cuda", 10, ("ipc", "torch", "nvshmem"), ("loopback",),
+               "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.engines.cuda_moe:CudaMoE"),
 )
+_BY_NAME = {e.name: e for e in ENGINES}
 # Providers the CUDA engine is wired to today, per mode.
 _CUDA_READY = {"virtual": ("loopback",), "group": ("ipc", "torch", "nvshmem")}
 
@@ -71,3 +82,30 @@ def select_engine(device: torch.device, memory: str, *, virtual: bool = False) -
             f"use one of {list(ready)}"
         )
     return eng, mem
+
+
+def _info(name: str) -> EngineInfo:
+    info = _BY_NAME.get(name)
+    if info is None:
+        raise PurlinUnavailableError(f"engine {name!r} is not registered; engines: {', '.join(_BY_NAME)}")
+    return info
+
+
+def _resolve(target: str) -> Any:
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int) -> Any:
+    """Build the engine registered as ``name`` over this rank's workspace ``ws`` (an :class:`~.base.Engine`).
+
+    ``ranks_on_gpu``: how many ranks' grids must be co-resident on this rank's GPU at once (the
+    world for virtual ranks of one process, 1 for a rank that is a process of its own); host
+    engines ignore it. Local: builds nothing on other ranks.
+    """
+    return _resolve(_info(name).engine)(ws, rank, world, timeout_s, ranks_on_gpu=ranks_on_gpu)
+
+
+def create_moe(name: str, comm: Any) -> Any:
+    """Build the MoE engine (a :class:`~.base.MoEEngine`) of engine ``name`` for Communicator ``comm``."""
+    return _resolve(_info(name).moe)(comm)

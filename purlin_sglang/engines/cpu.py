@@ -10,51 +10,20 @@ rank computes bitwise identical results on every run.
 from __future__ import annotations
 
 import time
-import zlib
 
 import numpy as np
 import torch
 
 from ..collectives import ReduceOp
+from ..config import timeouts
 from ..errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError
 from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
+from . import cpu_moe
+from .base import CallContext
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
-
-
-def fingerprint(key: tuple) -> int:
-    """A stable 63-bit digest of a call's cross-rank invariants (the same in every process)."""
-    data = repr(key).encode()
-    return (zlib.crc32(data) << 31) ^ zlib.adler32(data)
-
-
-class CallContext:
-    """What one call needs besides the schedule: names for messages and the user's buffers.
-
-    ``x`` and ``y`` are the user's input and output tensors (contiguous, validated). ``inp`` and
-    ``out`` are flat uint8 views of them, made on first use: the CPU engine works on those, the
-    CUDA engine reads only the data pointers, so its calls make no views."""
-
-    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "_inp", "_out")
-
-    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor):
-        self.op, self.seq, self.fingerprint, self.dtype, self.x, self.y = op, seq, fp, dtype, x, y
-        self._inp = self._out = None
-
-    @property
-    def inp(self) -> torch.Tensor:
-        if self._inp is None:
-            self._inp = _bytes(self.x)
-        return self._inp
-
-    @property
-    def out(self) -> torch.Tensor:
-        if self._out is None:
-            self._out = _bytes(self.y)
-        return self._out
 
 
 # How each V collective's caller names the sizes a sender and a receiver give for one pair of ranks
@@ -79,15 +48,16 @@ def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int)
             "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
 class CpuEngine:
-    name = "cpu"
+    """The CPU reference engine (implements :class:`~.base.Engine`): calls block the host until done."""
 
-    def __init__(self, ws: HostWorkspace, rank: int, world: int, timeout_s: float):
-        self.ws, self.rank, self.world, self.timeout_s = ws, rank, world, timeout_s
+    name = "cpu"
+    packets = False  # runs one-shot where the CUDA engine runs packets: the same bits
+
+    def __init__(self, ws: HostWorkspace, rank: int, world: int, timeout_s: float, *,
+                 ranks_on_gpu: int | None = None):
+        self.ws, self.rank, self.world = ws, rank, world
+        self.timeout_s = timeouts(timeout_s).call_s  # the bound of every wait for a peer
         lay = ws.layout
         self.layout = lay
         # Local mirrors of the counters this rank writes or expects.
@@ -96,6 +66,16 @@ class CpuEngine:
         self.broken: str | None = None
 
     # -- state -------------------------------------------------------------------------------
+    @property
+    def table_bytes(self) -> int:
+        return 0  # no device op tables
+
+    def check(self) -> None:
+        """Nothing is recorded for later: a CPU call raises its own errors."""
+
+    def synchronize(self) -> None:
+        """A no-op: every CPU call has finished when it returns."""
+
     def mark_broken(self, reason: str) -> None:
         self.broken = self.broken or reason
         if self.ws.words is not None:
@@ -253,3 +233,47 @@ class CpuEngine:
 
     def close(self) -> None:
         self.ws = None
+
+
+class CpuMoE:
+    """The CPU engine's MoE dispatch / combine for one Communicator (implements :class:`~.base.MoEEngine`):
+    collectives over the communicator itself, planned by ``snac.moe`` (see engines/cpu_moe.py)."""
+
+    hbm_bytes = 0
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._plans: dict[tuple, object] = {}
+
+    def _plan(self, kind: str, num_experts: int, capacity: int | None, quant: str):
+        from ..collectives import MOE_COMBINE, MOE_DISPATCH
+        from ..snac.moe import make_moe_plan
+
+        key = (kind, num_experts, capacity, quant)
+        plan = self._plans.get(key)
+        if plan is None:
+            spec = MOE_DISPATCH if kind == "dispatch" else MOE_COMBINE
+            plan = self._plans[key] = make_moe_plan(spec, self.comm.world_size, self.comm.rank, num_experts,
+                                                    capacity=capacity, quant=quant)
+        return plan
+
+    def reject(self, error) -> None:
+        """This rank's arguments are bad: tell the peers (they wait in the header exchange) and raise."""
+        cpu_moe.reject(self.comm, "moe_dispatch", error)
+
+    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
+        plan = self._plan("dispatch", num_experts, capacity, quant)
+        return cpu_moe.dispatch(self.comm, plan, x, ids, weights, id(self.comm))
+
+    def combine(self, expert_out, d):
+        return cpu_moe.combine(self.comm, expert_out, d)
+
+    def check(self, fatal_only: bool = False) -> None:
+        """Nothing is recorded for later: CPU MoE calls raise their own errors."""
+
+    def synchronize(self) -> None:
+        """A no-op: CPU MoE calls have finished when they return."""
+
+    def close(self) -> None:
+        self._plans.clear()
+        self.comm = None

@@ -13,10 +13,21 @@ import torch
 from ..errors import PurlinCapacityError, PurlinValueError
 from ..moe.dispatch import MoEDispatch
 from ..moe.routing import quantize_fp8, route
+from ..native import DTYPE_CODES, reduce_dtype_code
 from ..snac.moe import MoEPlan
 
-_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The header's code of ``x``'s dtype: the one dtype table's (native.DTYPE_CODES)."""
+    return reduce_dtype_code(dtype)
+
+
+def _shown(name: str, col: list[int]) -> list:
+    """A header column as the user knows it (dtype codes as dtype names)."""
+    return [_DTYPE_NAMES.get(v, v) for v in col] if name == "x dtype" else col
 
 
 def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int, to_device=None, to_host=None,
@@ -38,8 +49,8 @@ def exchange_header(comm, op: str, values: tuple[int, ...], tokens: int, to_devi
     for i, name in enumerate(_HEADER_FIELDS[: len(values)]):
         col = seen[:, i + 1].tolist()
         if any(v != col[0] for v in col):
-            raise PurlinValueError(f"{op}: the ranks disagree on {name}: {col} (rank order); every rank must "
-                                   "call with the same value")
+            raise PurlinValueError(f"{op}: the ranks disagree on {name}: {_shown(name, col)} (rank order); "
+                                   "every rank must call with the same value")
     return seen[:, -1].tolist()
 
 
@@ -73,7 +84,7 @@ def dispatch(comm, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor, ws: torch.
     r = route(ids, e_n, world)
     payload, scales = (quantize_fp8(x) if plan.quant == "fp8" else (x, None))
     # CountExchange: header agreement, then counts per global expert and tokens per destination rank
-    exchange_header(comm, "moe_dispatch", (e_n, k_n, hidden, _DTYPE_CODE[x.dtype], int(plan.quant == "fp8"),
+    exchange_header(comm, "moe_dispatch", (e_n, k_n, hidden, dtype_code(x.dtype), int(plan.quant == "fp8"),
                                            plan.capacity or 0), t_n)
     both = comm.all_gather(torch.cat([r.counts, r.tokens_to])).view(world, e_n + world)
     matrix, tokens = both[:, :e_n], both[:, e_n:]

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from .. import native
+from ..config import timeouts
 from ..errors import PurlinBrokenError, PurlinCudaError, PurlinTimeoutError, PurlinUnavailableError
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule
 from .cuda_ops import KIND_NAMES, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
-HOST_ERROR_WORDS = 16
+HOST_ERROR_WORDS = native.SNAC_ERROR_WORDS  # the kernels' host-mapped record (native.SNAC_ERROR_FIELDS)
 TABLE_ARENA_WORDS = 1 << 18  # 2 MiB of op tables per rank, allocated up front; grows by doubling
 
 
@@ -63,7 +64,7 @@ class _Arena:
         if words.size:
             staged = self.host[-1][self.used: self.used + n]
             staged.numpy()[:] = words
-            lib.copy_atom(view.data_ptr(), staged.data_ptr(), n * 8, stream, max_blocks=1)
+            lib.copy_atom(view.data_ptr(), staged.data_ptr(), n * 8, stream, max_blocks=1, device=self.device.index)
         self.used += (n + 15) // 16 * 16  # 128-byte aligned tables
         return view
 
@@ -72,9 +73,12 @@ class _Arena:
         return sum(c.numel() * 8 for c in self.chunks)
 
 
-def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int) -> int:
-    """Blocks per rank such that every rank on this GPU has all its blocks resident at once."""
-    per_sm, sms = lib.snac_occupancy(native.reduce_dtype_code(torch.bfloat16))
+def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int, device: int = -1) -> int:
+    """Blocks per rank such that every rank on this GPU has all its blocks resident at once, in every
+    kernel a call may launch (the staged interpreter and the packet kernel of every dtype: the native
+    occupancy is the fewest blocks per SM over all of them). Raises before any launch if not even one
+    block per rank fits."""
+    per_sm, sms = lib.snac_occupancy(device)
     slots = per_sm * sms // max(1, ranks_on_gpu)
     if slots < 1:
         raise PurlinUnavailableError(
@@ -96,7 +100,7 @@ class CudaEngine:
         dl: DeviceLayout = ws.layout
         self.dlayout = dl
         with torch.cuda.device(self.device):
-            self.blocks = grid_blocks(self.lib, world, ranks_on_gpu or world)
+            self.blocks = grid_blocks(self.lib, world, ranks_on_gpu or world, ws.device_index)
         self._arena = _Arena(self.device, TABLE_ARENA_WORDS)
         self._host_error = torch.zeros(HOST_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
         self._err = self._host_error.numpy()
@@ -108,8 +112,9 @@ class CudaEngine:
         p.expect_off, p.acked_off, p.arrive_off, p.arrive_slots = dl.expect_off, dl.acked_off, dl.arrive_off, ARRIVE_SLOTS
         p.exit_off, p.error_off, p.staging_off = dl.exit_off, dl.error_off, dl.staging_off
         p.epoch_off, p.window_off, p.window_bytes = dl.epoch_off, dl.window_off, dl.window_bytes
-        p.timeout_ns = int(timeout_s * 1e9)
+        p.timeout_ns = timeouts(timeout_s).kernel_ns
         p.host_error = self._host_error.data_ptr()
+        p.device = ws.device_index  # made current by the library before every launch
         self._params = p
         self._pref = ctypes.byref(p)
         self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
@@ -177,8 +182,14 @@ class CudaEngine:
             self._raise_recorded()
 
     def _raise_recorded(self) -> None:
-        _, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
+        code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
+        if code == native.SNAC_ERROR_CODES["BAD_RECORD"]:
+            msg = (f"{name}: rank {rank}'s kernel met op #{index} (opcode {kind}, word 0 {seen:#x}) that it cannot "
+                   f"run (dtype code {target}: 0 is the copy-only kernel); the op table and the native library "
+                   "disagree, nothing was skipped; the communicator is now broken")
+            self.broken = self.broken or msg
+            raise PurlinBrokenError(msg)
         kname = KIND_NAMES.get(kind, str(kind))
         what = {
             "notify": f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",

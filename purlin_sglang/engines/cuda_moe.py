@@ -38,11 +38,11 @@ from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
 from ..moe.dispatch import MoEDispatch
 from ..moe.routing import quantize_fp8, route, send_positions
 from ..moe.validate import check_id_range
-from .cpu_moe import _DTYPE_CODE, exchange_header, overflow, reject
+from .cpu_moe import dtype_code, exchange_header, overflow, reject
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
-_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_CODES = {getattr(torch, n): native.DTYPE_CODES[n] for n in ("bfloat16", "float16", "float32")}  # combine dtypes
 
 
 class LoopbackMoERegion:
@@ -100,7 +100,7 @@ class CudaMoE:
         self.max_tokens = comm.config.moe.max_tokens_per_rank
         virtual = comm.group is None
         with torch.cuda.device(self.device):
-            per_sm, sms = self.lib.moe_occupancy()
+            per_sm, sms = self.lib.moe_occupancy(self.device_index)
         slots = per_sm * sms // (self.world if virtual else 1)
         if slots < 1:
             raise PurlinUnavailableError(f"moe_dispatch: {self.world} virtual ranks cannot all be resident on "
@@ -109,7 +109,7 @@ class CudaMoE:
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
-        self._host_error = torch.zeros(16, dtype=torch.int64, pin_memory=True)
+        self._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
         self._err = self._host_error.numpy()
         # Pinned staging of the eager count exchange (header and count matrix), moved by one-block copy
         # kernels on the caller's stream: no pageable copy and no copy engine on the call path (a
@@ -118,6 +118,12 @@ class CudaMoE:
         self._pin_down = torch.zeros(PIN_WORDS * self.world, dtype=torch.int64, pin_memory=True)
         self._stream = None
         self.broken: str | None = None
+
+    @property
+    def device_index(self) -> int:
+        """The CUDA device the library makes current before each launch (-1, the library's current device,
+        only for the tests' CPU stand-in: a Communicator's CUDA device always has an index)."""
+        return self.device.index if self.device.index is not None else -1
 
     # -- the region ------------------------------------------------------------------------------------
     def _region(self, topk: int, payload_bytes: int, ret_bytes: int, capturing: bool) -> MoELayout:
@@ -157,6 +163,7 @@ class CudaMoE:
         p.ret_off, p.ret_parity_bytes, p.state_off = layout.ret_off, layout.ret_parity_bytes, layout.state_off
         p.timeout_ns = int(self.comm.config.timeout_s * 1e9)
         p.host_error = self._host_error.data_ptr()
+        p.device = self.device_index  # made current by the library before the launch
         return p
 
     def _launch(self, fn, p, op: str) -> None:
@@ -212,7 +219,8 @@ class CudaMoE:
         self._pin_up.numpy()[:n] = values
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.lib.copy_atom(out.data_ptr(), self._pin_up.data_ptr(), n * 8, stream, max_blocks=1)
+        self.lib.copy_atom(out.data_ptr(), self._pin_up.data_ptr(), n * 8, stream, max_blocks=1,
+                           device=self.device_index)
         return out
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
@@ -220,7 +228,8 @@ class CudaMoE:
         this stream is synchronized: blocks the host)."""
         n = t.numel()
         stream = torch.cuda.current_stream(self.device)
-        self.lib.copy_atom(self._pin_down.data_ptr(), t.data_ptr(), n * 8, stream.cuda_stream, max_blocks=1)
+        self.lib.copy_atom(self._pin_down.data_ptr(), t.data_ptr(), n * 8, stream.cuda_stream, max_blocks=1,
+                           device=self.device_index)
         stream.synchronize()
         return self._pin_down[:n].clone()
 
@@ -272,7 +281,7 @@ class CudaMoE:
         r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
-            exchange_header(self.comm, op, (num_experts, k_n, hidden, _DTYPE_CODE[x.dtype], int(quant == "fp8"),
+            exchange_header(self.comm, op, (num_experts, k_n, hidden, dtype_code(x.dtype), int(quant == "fp8"),
                                             capacity or 0), t_n, self._to_device, self._to_host)
             matrix = self._to_host(self.comm.all_gather(r.counts)).view(world, num_experts)
             if capacity is not None:

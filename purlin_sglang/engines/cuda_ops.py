@@ -20,20 +20,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import native
 from ..errors import PurlinPlanError
 from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
 from ..snac import (
     Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal,
 )
 
-OP_WORDS = 12
-COPY, REDUCE, SIGNAL, WAIT, BARRIER, DRAINALL, PACKET_PUT, PACKET_REDUCE, PACKET_COPY = 1, 2, 3, 4, 5, 6, 7, 8, 9
-NOTIFY, ACK, DRAIN, BARRIER_KIND, PACKET_KIND = 0, 1, 2, 3, 4
-KIND_NAMES = {NOTIFY: "notify", ACK: "ack", DRAIN: "drain", BARRIER_KIND: "barrier", PACKET_KIND: "packet"}
-FLAG_INPLACE_ONLY = 1
-_BUF = {Buf.INPUT: 0, Buf.OUTPUT: 1, Buf.STAGE: 2, Buf.WINDOW: 3}
-_REDOP = {"sum": 1, "max": 2, "min": 3}
-MAX_REDUCE_SOURCES = 8
+# The op table's encoding (snac/encoding.py; checked against the library's at native.load()).
+from ..snac.encoding import (  # noqa: F401  (re-exported: tests and tools read them from here)
+    ACK, BARRIER, BARRIER_KIND, BUF_CODES, COPY, DRAIN, DRAINALL, FLAG_INPLACE_ONLY, FLAGS_SHIFT, KIND_NAMES,
+    NOTIFY, NSRC_SHIFT, OP_WORDS, OPCODES, PACKET_COPY, PACKET_KIND, PACKET_PUT, PACKET_REDUCE, REDUCE,
+    REF_BUF_SHIFT, REF_OFFSET_BITS, REF_RANK_BITS, REF_RANK_SHIFT, SIGNAL, SUB_SHIFT, WAIT,
+)
+
+_BUF = BUF_CODES
+_REDOP = native.REDUCE_OP_CODES
+MAX_REDUCE_SOURCES = native.REDUCE_MAX_SOURCES
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,9 @@ class Encoded:
 
 
 def _ref(s: Span) -> int:
-    if s.offset >= 1 << 48 or s.rank >= 1 << 14:
+    if s.offset >= 1 << REF_OFFSET_BITS or s.rank >= 1 << REF_RANK_BITS:
         raise PurlinPlanError(f"cuda engine: span {s} is out of the encodable range")
-    v = (_BUF[s.buf] << 62) | (s.rank << 48) | s.offset
+    v = (_BUF[s.buf] << REF_BUF_SHIFT) | (s.rank << REF_RANK_SHIFT) | s.offset
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
@@ -99,7 +102,7 @@ def _reduce_record(code: int, op, plan) -> list[int]:
         raise PurlinPlanError(
             f"{plan.spec.name}: the CUDA engine reduces at most {MAX_REDUCE_SOURCES} contributions per op "
             f"(world size {plan.world}); use at most {MAX_REDUCE_SOURCES} ranks for reductions")
-    w0 = code | (_REDOP[op.op.value] << 8) | (len(op.srcs) << 16)
+    w0 = code | (_REDOP[op.op.value] << SUB_SHIFT) | (len(op.srcs) << NSRC_SHIFT)
     return [w0, _ref(op.dst), op.dst.nbytes] + [_ref(s) for s in op.srcs]
 
 
@@ -109,7 +112,7 @@ def _check_run(recs: list, op: Signal, name: str) -> None:
     for r in reversed(recs):
         if r[0] & 0xFF != SIGNAL:
             return
-        if (r[0] >> 8) & 0xFF == kind and r[1] == op.peer and r[2] == op.item:
+        if (r[0] >> SUB_SHIFT) & 0xFF == kind and r[1] == op.peer and r[2] == op.item:
             raise PurlinPlanError(f"{name}: internal: two {op.kind} signals to rank {op.peer} item {op.item} "
                                   "with no op between them")
 
@@ -143,7 +146,7 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
         need = guard.check(reads, writes)
         if need:
             o = slot()
-            recs.append([BARRIER | ((FLAG_INPLACE_ONLY if need == 2 else 0) << 24), o % ARRIVE_SLOTS])
+            recs.append([BARRIER | ((FLAG_INPLACE_ONLY if need == 2 else 0) << FLAGS_SHIFT), o % ARRIVE_SLOTS])
             n_barriers += 1
             if need == 1:
                 guard.done_before(len(recs))
@@ -168,18 +171,18 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
             if op.kind == "notify":
                 sent[key] = sent.get(key, 0) + 1
                 notify_at.setdefault(key, []).append((len(recs), o))
-                recs.append([SIGNAL | (NOTIFY << 8), op.peer, op.item, o % ARRIVE_SLOTS, sent[key]])
+                recs.append([SIGNAL | (NOTIFY << SUB_SHIFT), op.peer, op.item, o % ARRIVE_SLOTS, sent[key]])
             else:
                 acked[key] = acked.get(key, 0) + 1
-                recs.append([SIGNAL | (ACK << 8), op.peer, op.item, o % ARRIVE_SLOTS, acked[key]])
+                recs.append([SIGNAL | (ACK << SUB_SHIFT), op.peer, op.item, o % ARRIVE_SLOTS, acked[key]])
         elif isinstance(op, WaitSignal):
             key = (op.peer, op.item)
             if op.kind == "notify":
                 expect[key] = expect.get(key, 0) + 1
-                recs.append([WAIT | (NOTIFY << 8), op.peer, op.item, expect[key]])
+                recs.append([WAIT | (NOTIFY << SUB_SHIFT), op.peer, op.item, expect[key]])
             else:
                 k = sent.get(key, 0) - op.lag
-                recs.append([WAIT | (ACK << 8), op.peer, op.item, k])
+                recs.append([WAIT | (ACK << SUB_SHIFT), op.peer, op.item, k])
                 if k >= 1:  # the peer acked my k-th notify: every block passed it
                     index, o = notify_at[key][k - 1]
                     guard.done_before(index)

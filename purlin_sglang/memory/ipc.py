@@ -42,7 +42,7 @@ IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
 _PIP = "pip install cuda-python"
 
 
-def _load_cudart():
+def load_cudart():
     """cuda-python's runtime module, imported on first use (tests replace this function)."""
     try:
         from cuda.bindings import runtime as cudart
@@ -56,7 +56,7 @@ def _load_cudart():
     return cudart
 
 
-def _error_text(cudart, err) -> str:
+def error_text(cudart, err) -> str:
     try:
         _, name = cudart.cudaGetErrorName(err)
         _, text = cudart.cudaGetErrorString(err)
@@ -74,7 +74,7 @@ def _check(cudart, call: str, result) -> Any:
     if int(err) != 0:
         hint = ("; GPU memory providers need an NVIDIA GPU and driver (check nvidia-smi and "
                 "CUDA_VISIBLE_DEVICES), or use memory='host' with the CPU engine") if int(err) in _NO_GPU else ""
-        raise PurlinUnavailableError(f"{call}: {_error_text(cudart, err)}{hint}")
+        raise PurlinUnavailableError(f"{call}: {error_text(cudart, err)}{hint}")
     if not values:
         return None
     return values[0] if len(values) == 1 else values
@@ -139,7 +139,7 @@ class IpcWorkspace(WorkspaceLifetime):
         # Phase 1: check, allocate, zero, export.
         try:
             check_create_args(op, group, layout_nbytes, device_index, rank, world)
-            cudart = _load_cudart()
+            cudart = load_cudart()
             with _on_device(cudart, device_index):
                 own_ptr = int(_check(cudart, f"cudaMalloc({layout_nbytes})", cudart.cudaMalloc(layout_nbytes)))
                 _check(cudart, "cudaMemset", cudart.cudaMemset(own_ptr, 0, layout_nbytes))
@@ -223,7 +223,7 @@ _CUDART_UNLOADING = 4  # cudaErrorCudartUnloading: the process is exiting, the d
 def _collect(errors: list, cudart, call: str, result) -> None:
     err = int(result[0])
     if err not in (0, _CUDART_UNLOADING):
-        errors.append(f"{call}: {_error_text(cudart, result[0])}")
+        errors.append(f"{call}: {error_text(cudart, result[0])}")
 
 
 def _bus_text(bus) -> str:

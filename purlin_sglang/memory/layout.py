@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..snac.policy import PACKET_WINDOW_BYTES, max_items
+
 RING = 4
 WORD = 8
 PAGE = 4096
@@ -39,8 +41,8 @@ class WorkspaceLayout:
 
     @property
     def max_items(self) -> int:
-        """Staging items a plan may use per rank (the two-shot plan uses world + 1)."""
-        return self.world + 1
+        """Staging items a plan may use per rank (snac.policy.max_items)."""
+        return max_items(self.world)
 
     @property
     def desc_words(self) -> int:
@@ -93,10 +95,9 @@ class WorkspaceLayout:
         return self.staging_offset(self.world)
 
 
-PACKET_MAX_BYTES = 64 * 1024  # payload per producer of one packet call (latency regime, snac/packet.cuh)
+PACKET_MAX_BYTES = PACKET_WINDOW_BYTES  # payload per producer of one packet call (snac.policy; snac/packet.cuh)
 PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
-ERROR_WORDS = 8  # [code, op index, kind, peer, item, rank, target, seen]
 EPOCH_WORDS = 16  # per-block packet epochs: the CUDA engine's grid has at most this many blocks per rank
 
 
@@ -130,7 +131,8 @@ class DeviceLayout:
 
     @property
     def max_items(self) -> int:
-        return self.world + 1
+        """Staging items a plan may use per rank (snac.policy.max_items)."""
+        return max_items(self.world)
 
     @property
     def grid_words(self) -> int:

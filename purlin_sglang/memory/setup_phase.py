@@ -25,7 +25,7 @@ import re
 from datetime import timedelta
 from typing import Any, Iterator
 
-from ..errors import PurlinError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
+from ..errors import PurlinConfigError, PurlinError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 
 _TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("purlin_setup_timeout_s", default=None)
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
@@ -134,28 +134,38 @@ def gather_status(group, world: int, mine: tuple, op: str = "set-up") -> list:
     return got
 
 
-def raise_failures(op: str, statuses: list) -> None:
-    """Raise on every rank if any rank's status is an error (value errors win over unavailable)."""
+def raise_failures(op: str, statuses: list, *, per_rank: bool = False) -> None:
+    """Raise on every rank if any rank's status is an error.
+
+    The class follows the kinds: ``config`` (PurlinConfigError) wins over ``value``
+    (PurlinValueError), which wins over ``unavailable`` (PurlinUnavailableError). The message names
+    the failed ranks; ``per_rank`` gives it as ``"<op>: rank r: why; rank s: why"`` (one entry per
+    failed rank), else ranks that failed the same way are named together.
+    """
     failed = [(r, s) for r, s in enumerate(statuses) if s is None or s[0] != "ok"]
     if not failed:
         return
     kinds = {s[1] if s else "unavailable" for _, s in failed}
+    cls = (PurlinConfigError if "config" in kinds else PurlinValueError if "value" in kinds
+           else PurlinUnavailableError)
+    if per_rank:
+        raise cls(f"{op}: " + "; ".join(f"rank {r}: {s[2] if s else 'no status'}" for r, s in failed))
     by_message: dict[str, list[int]] = {}  # ranks that failed the same way are named together
     for r, s in failed:
         msg = s[2] if s else "no status"
         by_message.setdefault(msg[len(op) + 2:] if msg.startswith(f"{op}: ") else msg, []).append(r)
     text = "; ".join(f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {rs}: {m}" for m, rs in by_message.items())
-    cls = PurlinValueError if "value" in kinds else PurlinUnavailableError
     raise cls(f"{op}: set-up failed on rank(s) {[r for r, _ in failed]}: {text}")
 
 
-def agree(op: str, group, world: int, mine: tuple) -> list:
+def agree(op: str, group, world: int, mine: tuple, *, per_rank: bool = False) -> list:
     """End a set-up phase: all-gather every rank's status, raise on every rank if any failed.
 
     Collective over ``group``; blocks the host. Returns every rank's payload, in rank order.
+    ``per_rank``: the error's message form (see :func:`raise_failures`).
     """
     statuses = gather_status(group, world, mine, op)
-    raise_failures(op, statuses)
+    raise_failures(op, statuses, per_rank=per_rank)
     return [s[1] for s in statuses]
 
 

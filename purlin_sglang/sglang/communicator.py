@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from ..api import Communicator
-from ..engines.cpu import REDUCE_DTYPES
+from ..engines.base import REDUCE_DTYPES
 from .routing import PluginConfig, deterministic_inference, for_deterministic_inference
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,16 @@ class PurlinGroupCommunicator:
                                 "(batch-invariant): %s", self.name, "; ".join(notes))
 
     @property
+    def communicator(self) -> Optional[Communicator]:
+        """The purlin :class:`~purlin_sglang.Communicator` underneath (None once destroyed or for one rank)."""
+        return self._comm
+
+    @property
+    def bypassed(self) -> bool:
+        """True inside :meth:`bypass`: every op declines without counting (the caller's own fallback runs)."""
+        return self._bypass > 0
+
+    @property
     def engine(self) -> str:
         """``"cuda"`` or ``"cpu"`` (``"none"`` when disabled)."""
         return self._comm.engine_name if self._comm is not None else "none"
@@ -141,16 +151,22 @@ class PurlinGroupCommunicator:
             self._last_report = time.monotonic()
             logger.info("%s", self.summary())
 
-    def _served(self, op: str, key: Hashable) -> None:
-        """Count a served call and remember its key as warmed up (counted as captured while capturing)."""
+    def note_served(self, op: str) -> None:
+        """Count a call of ``op`` served by purlin (counted as captured while capturing) in the routing
+        report. Also called by purlin's MoE dispatcher for its moe_dispatch / moe_combine calls on this
+        group's communicator, so that the report shows them."""
         self.routed[op] += 1
         if self.is_capturing():
             self.captured[op] += 1
+        self._maybe_report()
+
+    def _served(self, op: str, key: Hashable) -> None:
+        """Count a served call and remember its key as warmed up."""
         self._warm[key] = None
         self._warm.move_to_end(key)
         while len(self._warm) > WARM_KEYS:
             self._warm.popitem(last=False)
-        self._maybe_report()
+        self.note_served(op)
 
     def is_warm(self, key: Hashable) -> bool:
         """Whether the call named ``key`` (see the ``*_key`` helpers) was served eagerly before."""
@@ -340,7 +356,7 @@ class PurlinGroupCommunicator:
             try:
                 import torch.distributed as dist
 
-                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=max(1.0, comm.config.timeout_s)),
+                dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=comm.config.timeouts.destroy_s),
                                        wait_all_ranks=True)
             except Exception as e:  # noqa: BLE001 - a peer that is gone reads nothing any more
                 logger.warning("purlin[%s]: not every rank reached destroy (%s); freeing purlin's memory anyway",

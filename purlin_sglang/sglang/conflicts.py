@@ -13,7 +13,7 @@ runs. For each path it sets both places SGLang 0.5.23 reads:
   read-only after resolution), and
 - the ``parallel_state`` flag, through the setter ``_set_all_reduce_flags`` itself calls.
 
-Then it reads both back and raises :class:`~.plugin.PurlinPluginError` naming the target and
+Then it reads both back and raises :class:`~purlin_sglang.errors.PurlinPluginError` naming the target and
 ``sglang==0.5.23`` if either did not take. Each path switched off is logged once per process.
 """
 
@@ -22,6 +22,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from ..errors import PurlinPluginError
+from .settings import SUPPORTED_SGLANG, installed_version
 
 logger = logging.getLogger(__name__)
 
@@ -98,21 +101,19 @@ def switch_off(cause: str = "--comm-backend purlin") -> list[str]:
 
     Idempotent and cheap; a path that is already off is left alone and not logged.
     """
-    from . import plugin
-
     missing = missing_targets()
     if missing:
-        raise plugin.PurlinPluginError(
+        raise PurlinPluginError(
             f"--comm-backend purlin: cannot switch off SGLang's competing all-reduce paths: {'; '.join(missing)}. "
-            f"This plugin supports sglang=={plugin.SUPPORTED_SGLANG} (installed: {plugin._installed_version()})")
+            f"This plugin supports sglang=={SUPPORTED_SGLANG} (installed: {installed_version()})")
     import sglang.srt.distributed.parallel_state as ps
 
     comm = _published_comm()
     absent = [p.leaf for p in PATHS if comm is not None and p.leaf not in comm]
     if absent:
-        raise plugin.PurlinPluginError(
+        raise PurlinPluginError(
             f"--comm-backend purlin: the published exec.comm config has no {absent}; this plugin supports "
-            f"sglang=={plugin.SUPPORTED_SGLANG} (installed: {plugin._installed_version()})")
+            f"sglang=={SUPPORTED_SGLANG} (installed: {installed_version()})")
     leaves, switched = {}, []
     for p in PATHS:
         on = bool(getattr(ps, p.flag))
@@ -132,9 +133,9 @@ def switch_off(cause: str = "--comm-backend purlin") -> list[str]:
         bad += [f"exec.comm.{p.leaf} is {getattr(comm, p.leaf)!r}, not {p.off!r}, after get_context().override"
                 for p in PATHS if getattr(comm, p.leaf) != p.off]
     if bad:
-        raise plugin.PurlinPluginError(
+        raise PurlinPluginError(
             f"--comm-backend purlin: switching off SGLang's competing all-reduce paths did not take: {'; '.join(bad)}. "
-            f"This plugin supports sglang=={plugin.SUPPORTED_SGLANG} (installed: {plugin._installed_version()}); "
+            f"This plugin supports sglang=={SUPPORTED_SGLANG} (installed: {installed_version()}); "
             "run with --comm-backend nccl")
     for p in switched:
         if p.name not in _announced:

@@ -80,21 +80,28 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
     plugin for covered groups: one workspace, entered by ``graph_capture``), else one built here over
     the group's CPU group (collective: every rank of the group builds it at the same layer)."""
     pc = getattr(group, "purlin_comm", None)
-    comm = getattr(pc, "_comm", None) if pc is not None and not pc.disabled else None
+    comm = pc.communicator if pc is not None and not pc.disabled else None
     if comm is not None:
         return comm
     comm = _OWN_COMMS.get(group.unique_name)
-    if comm is None or getattr(comm, "_closed", False):
+    if comm is None or comm.closed:
         from ..api import Communicator
-        from . import plugin
+        from .settings import load_plugin_config
 
-        cfg = plugin.CommSettings("purlin", config_path).load_config()
+        cfg = load_plugin_config(config_path)
         comm = Communicator(group.cpu_group, group.device, config=cfg.purlin)
         _OWN_COMMS[group.unique_name] = comm
     return comm
 
 
 _warned: set = set()
+
+
+def _say_once(text: str) -> None:
+    """Log ``text`` at INFO once per process (every MoE layer builds a dispatcher)."""
+    if text not in _warned:
+        _warned.add(text)
+        logger.info(text)
 
 
 def _warn_if_prefill_exceeds(max_tokens: int, ep_size: int) -> None:
@@ -132,7 +139,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
     def __init__(self, moe_runner_config: Any, config: MoESettings, *, group: Any = None,
                  config_path: Optional[str] = None, fixed_rows: Optional[bool] = None):
         super().__init__()
-        from . import plugin
+        from .settings import active_settings
 
         parallel = get_parallel()
         self.runner_backend = moe_runner_config.runner_backend
@@ -145,7 +152,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.local_expert_mapping = None  # read by FusedMoE.bind_full_expert_weights and AITER paths
         self.expert_mask_gpu = None
         self.group = group if group is not None else parallel.moe_ep_group
-        path = config_path if config_path is not None else plugin.active_settings().config_path
+        path = config_path if config_path is not None else active_settings().config_path
         self.comm = moe_communicator(self.group, path)
         if self.comm.world_size != self.moe_ep_size or self.comm.rank != self.moe_ep_rank:
             raise PurlinError(f"purlin MoE dispatcher: the EP group's communicator is rank {self.comm.rank} of "
@@ -154,6 +161,17 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.force_fixed_rows = fixed_rows
         self._pending: Optional[_Pending] = None
         _warn_if_prefill_exceeds(config.max_tokens_per_rank, self.moe_ep_size)
+        _say_once(f"purlin_sglang: MoE layers dispatch and combine through purlin: EP rank {self.moe_ep_rank} of "
+                  f"{self.moe_ep_size} ({getattr(self.group, 'unique_name', 'group')}, engine "
+                  f"{self.comm.engine_name}), rows on the wire in "
+                  f"{'the activations dtype' if self.wire_dtype is None else str(self.wire_dtype).replace('torch.', '')}, "
+                  f"moe.max_tokens_per_rank {config.max_tokens_per_rank}")
+
+    def _served(self, op: str) -> None:
+        """Count ``op`` in the routing report of the group's purlin communicator, where it has one."""
+        pc = getattr(self.group, "purlin_comm", None)
+        if pc is not None and hasattr(pc, "note_served"):
+            pc.note_served(op)
 
     def fixed_rows(self, device: torch.device) -> bool:
         return self.force_fixed_rows if self.force_fixed_rows is not None else device.type == "cuda"
@@ -189,6 +207,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         wire = self.wire_dtype if self.wire_dtype is torch.float8_e4m3fn else None
         d = self.comm.moe_dispatch(x.contiguous(), ids.contiguous(), weights.contiguous(),
                                    num_experts=self.num_experts, capacity=capacity, dtype=wire)
+        self._served("moe_dispatch")
         rows = d.x
         if d.scales is not None:  # FP8 on the wire: the experts get the hidden states' dtype
             rows = (rows.to(torch.float32) * d.scales.to(torch.float32).unsqueeze(1)).to(hidden_states.dtype)
@@ -220,6 +239,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
             full.index_copy_(0, st.keep, out[:st.keep.numel()])
             out = full
         y = self.comm.moe_combine(out.contiguous(), st.d)
+        self._served("moe_combine")
         result = torch.zeros((st.tokens, y.shape[1]), dtype=y.dtype, device=y.device)
         result[st.lo:st.hi] = y
         return result

@@ -27,10 +27,10 @@ def _once(level: int, text: str) -> None:
 
 def purlin_moe_config():
     """This process's ``moe:`` section when purlin is chosen as the dispatcher, else None."""
-    from . import plugin
+    from .settings import active_settings
     from .moe_config import moe_settings_of
 
-    settings = plugin.active_settings()
+    settings = active_settings()
     if settings.backend != "purlin" or settings.config_path is None:
         return None
     cfg = moe_settings_of(settings.load_config())

@@ -17,60 +17,25 @@ beyond the registry and is harmless to call twice. Importing this module needs n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import pkgutil
-from dataclasses import dataclass
+import inspect
 from typing import Any, Callable, Iterable, Optional
 
-from ..errors import PurlinError
+from ..errors import PurlinPluginError
 from . import conflicts, hooks, moe_hooks, single_gpu
+from .settings import (  # noqa: F401 - CommSettings, activate, settings_of: the plugin's public names
+    BACKENDS, SUPPORTED_SGLANG, CommSettings, activate, active_settings, installed_version, record, settings_of,
+)
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_SGLANG = "0.5.23"
-BACKENDS = ("nccl", "purlin")
 
 _SA = "sglang.srt.server_args.ServerArgs"
 _PS = "sglang.srt.distributed.parallel_state"
 _GC = f"{_PS}.GroupCoordinator"
 
-# (target, hook type, hook). The only places where purlin touches SGLang.
-HOOKS: list[tuple[str, str, Callable]] = [
-    (f"{_SA}.add_cli_args", "AFTER", hooks.add_cli_args),
-    (f"{_SA}.from_cli_args", "AFTER", hooks.from_cli_args),
-    (f"{_GC}.__init__", "AROUND", hooks.coordinator_init),
-    (f"{_GC}._resolve_outplace_all_reduce_method", "AROUND", hooks.resolve_outplace_all_reduce_method),
-    (f"{_GC}._all_reduce_out_place", "AROUND", hooks.all_reduce_out_place),
-    (f"{_GC}._all_reduce_in_place", "AROUND", hooks.all_reduce_in_place),
-    (f"{_GC}._can_use_flashinfer_allreduce", "AROUND", hooks.can_use_flashinfer_allreduce),
-    (f"{_GC}._all_gather_into_tensor", "AROUND", hooks.all_gather_into_tensor),
-    (f"{_GC}._reduce_scatter_tensor", "AROUND", hooks.reduce_scatter_tensor),
-    (f"{_GC}.all_gatherv", "AROUND", hooks.all_gatherv),
-    (f"{_GC}.reduce_scatterv", "AROUND", hooks.reduce_scatterv),
-    (f"{_GC}._all_to_all_single", "AROUND", hooks.all_to_all_single),
-    (f"{_GC}.graph_capture", "AROUND", hooks.graph_capture),
-    (f"{_GC}.destroy", "BEFORE", hooks.destroy),
-    # --purlin-nccl-free (single_gpu.py): rank -> GPU mapping in the launcher, gloo instead of nccl.
-    ("sglang.srt.utils.common.maybe_reindex_device_id", "AROUND", single_gpu.reindex_device_id),
-    (f"{_PS}.get_default_distributed_backend", "AROUND", single_gpu.distributed_backend),
-    # MoE dispatcher (moe_hooks.py): purlin's dispatch / combine with moe.dispatcher purlin.
-    (moe_hooks.TARGET, "AROUND", moe_hooks.create_moe_dispatcher),
-]
-# Not hooks but switched with purlin on (conflicts.py): the flags and config fields of SGLang's
-# competing all-reduce paths; checked to exist with the hooks.
-WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC)) + conflicts.TARGETS
-# What --purlin-nccl-free needs in effect (with either backend): checked when the flag is parsed.
-NCCL_FREE_TARGETS = (f"{_GC}.__init__", f"{_GC}.all_gatherv", f"{_GC}.reduce_scatterv",
-                     "sglang.srt.utils.common.maybe_reindex_device_id",
-                     f"{_PS}.get_default_distributed_backend") + conflicts.TARGETS
-
 _registered = False
-
-
-class PurlinPluginError(PurlinError, RuntimeError):
-    """The SGLang plugin cannot do what was asked (hooks missing, communicator not buildable)."""
 
 
 # -- registration and verification ---------------------------------------------------------------
@@ -114,7 +79,7 @@ def verify_hooks(targets: Optional[Iterable[str]] = None) -> None:
     if missing:
         raise PurlinPluginError(
             f"purlin_sglang: SGLang hooks not in effect: {'; '.join(missing)}. This plugin supports "
-            f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()}); install that version, "
+            f"sglang=={SUPPORTED_SGLANG} (installed: {installed_version()}); install that version, "
             "or run with --comm-backend nccl"
         )
 
@@ -141,34 +106,7 @@ def _hook_state(target: str, fn: Callable) -> str:
     return "hook not applied"
 
 
-def _installed_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return "unknown"
-
-
-# -- the setting: on ServerArgs (pickled to workers) and per process -----------------------------
-@dataclass(frozen=True)
-class CommSettings:
-    backend: str = "nccl"
-    config_path: Optional[str] = None
-    nccl_free: bool = False  # --purlin-nccl-free (single_gpu.py)
-
-    def load_config(self):
-        from .routing import PluginConfig
-
-        return PluginConfig() if self.config_path is None else PluginConfig.from_yaml(self.config_path)
-
-
-_ATTR_BACKEND = "_purlin_comm_backend"
-_ATTR_CONFIG = "_purlin_config_path"
-_ATTR_NCCL_FREE = "_purlin_nccl_free"
-_process_settings: Optional[CommSettings] = None
-
-
+# -- the setting ----------------------------------------------------------------------------------
 def backend_arg(value: str) -> str:
     """argparse type of --comm-backend: choosing purlin checks the hooks first (a clear start-up error)."""
     if value == "purlin":
@@ -176,7 +114,7 @@ def backend_arg(value: str) -> str:
         if missing:
             raise argparse.ArgumentTypeError(
                 f"purlin needs SGLang hooks that are not in effect: {'; '.join(missing)}; this plugin supports "
-                f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()})"
+                f"sglang=={SUPPORTED_SGLANG} (installed: {installed_version()})"
             )
     return value
 
@@ -203,37 +141,115 @@ def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] 
         if missing:
             raise PurlinPluginError(
                 f"{single_gpu.FLAG}: SGLang hooks not in effect: {'; '.join(missing)}. This plugin supports "
-                f"sglang=={SUPPORTED_SGLANG} (installed: {_installed_version()})")
-    setattr(server_args, _ATTR_BACKEND, backend)
-    setattr(server_args, _ATTR_CONFIG, config_path)
-    setattr(server_args, _ATTR_NCCL_FREE, bool(nccl_free))
+                f"sglang=={SUPPORTED_SGLANG} (installed: {installed_version()})")
+    record(server_args, backend, config_path, nccl_free)
 
 
-def settings_of(server_args: Any) -> CommSettings:
-    return CommSettings(getattr(server_args, _ATTR_BACKEND, "nccl"), getattr(server_args, _ATTR_CONFIG, None),
-                        bool(getattr(server_args, _ATTR_NCCL_FREE, False)))
+# -- the start-up hooks: they verify the others ------------------------------------------------
+def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
+    """AFTER ServerArgs.add_cli_args: add --comm-backend and --purlin-config (once per parser)."""
+    if "--comm-backend" in parser._option_string_actions:
+        return None
+    group = parser.add_argument_group("purlin_sglang (communicator backend)")
+    group.add_argument(
+        "--comm-backend", type=backend_arg, choices=BACKENDS, default="nccl",
+        help="Communicator for the parallel groups' collectives: 'nccl' (SGLang's own paths, unchanged) or "
+             "'purlin' (purlin_sglang above the routing table's size thresholds, NCCL otherwise).",
+    )
+    group.add_argument(
+        "--purlin-config", type=str, default=None, metavar="PATH",
+        help="YAML file for --comm-backend purlin: PurlinConfig keys and an optional 'routing:' table "
+             "(see configs/purlin.yaml).",
+    )
+    group.add_argument(
+        "--purlin-nccl-free", action="store_true", default=False,
+        help="Opt-in: run every tensor-parallel rank on the visible GPU(s) without NCCL (several ranks may share "
+             "one GPU): ranks' GPU ids fold onto the visible GPUs, the device groups are gloo, pynccl and custom "
+             "all-reduce are off; with --comm-backend purlin every device collective goes through purlin (use "
+             "configs/purlin-nccl-free.yaml), with nccl SGLang's own collectives run on gloo (a reference).",
+    )
+    return None
 
 
-def active_settings() -> CommSettings:
-    """This process's setting: :func:`activate`'s, else the published ServerArgs', else nccl."""
-    if _process_settings is not None:
-        return _process_settings
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return settings_of(get_server_args())
-    except Exception:  # not published (not a worker) or no SGLang: nothing to route
-        return CommSettings()
+def from_cli_args(result: Any, cls: Any, args: argparse.Namespace) -> None:
+    """AFTER ServerArgs.from_cli_args: carry the choice on the record (an underscore attribute pickles)."""
+    set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None),
+                            bool(getattr(args, "purlin_nccl_free", False)))
+    return None
 
 
-@contextlib.contextmanager
-def activate(backend: str, config_path: Optional[str] = None, nccl_free: bool = False):
-    """Use ``backend`` for GroupCoordinators built in this process inside the context (tests, tools)."""
-    global _process_settings
-    if backend not in BACKENDS:
-        raise PurlinPluginError(f"activate: {backend!r} is not one of {list(BACKENDS)}")
-    prev, _process_settings = _process_settings, CommSettings(backend, config_path, nccl_free)
-    try:
-        yield _process_settings
-    finally:
-        _process_settings = prev
+_OFF_WITH_PURLIN = ("use_custom_allreduce", "use_mscclpp", "use_torch_symm_mem_all_reduce")
+
+
+def coordinator_init(original, self, *args, **kwargs):
+    """AROUND GroupCoordinator.__init__: with purlin, switch SGLang's competing all-reduce paths off
+    in this process (custom AR, mscclpp, torch symm-mem, FlashInfer fusion: see conflicts.py) and for
+    this group, and attach ``self.purlin_comm`` (collective over the group's CPU group, on the group's
+    device: the CUDA engine for CUDA groups). PyNccl stays: it is the fallback.
+
+    With ``--purlin-nccl-free`` (either backend; single_gpu.py) pynccl is off too (NCCL refuses several
+    ranks on one GPU): the fallback is then SGLang's torch.distributed path on the gloo device group."""
+    settings = active_settings()
+    if settings.backend != "purlin" and not settings.nccl_free:
+        self.purlin_comm = None
+        return original(self, *args, **kwargs)
+    verify_hooks(NCCL_FREE_TARGETS if settings.backend != "purlin" else WORKER_TARGETS)
+    conflicts.switch_off("--comm-backend purlin" if settings.backend == "purlin" else "--purlin-nccl-free")
+    params = inspect.signature(original).parameters
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    off = _OFF_WITH_PURLIN + (("use_pynccl",) if settings.nccl_free else ())
+    for name in off:
+        if name in params:
+            bound.arguments[name] = False
+    self.purlin_comm = None
+    original(*bound.args, **bound.kwargs)
+    if settings.backend != "purlin":
+        return
+    group_name = self.unique_name.split(":")[0]
+    config = settings.load_config()
+    if self.world_size > 1 and config.routing.covers(group_name):
+        from .communicator import PurlinGroupCommunicator
+
+        try:
+            self.purlin_comm = PurlinGroupCommunicator(self.cpu_group, self.device, config, name=self.unique_name)
+        except Exception as e:
+            raise PurlinPluginError(
+                f"--comm-backend purlin: cannot build the purlin communicator for group {self.unique_name} "
+                f"on {self.device}: {e}; run with --comm-backend nccl, or fix the cause"
+            ) from e
+        logger.info("purlin_sglang: group %s: %d ranks on %s through purlin (engine %s)", self.unique_name,
+                    self.world_size, self.device, self.purlin_comm.engine)
+    elif config.routing.covers(group_name):
+        logger.info("purlin_sglang: group %s has one rank: no collective to route", self.unique_name)
+
+
+# -- the hook table --------------------------------------------------------------------------------
+# (target, hook type, hook). The only places where purlin touches SGLang.
+HOOKS: list[tuple[str, str, Callable]] = [
+    (f"{_SA}.add_cli_args", "AFTER", add_cli_args),
+    (f"{_SA}.from_cli_args", "AFTER", from_cli_args),
+    (f"{_GC}.__init__", "AROUND", coordinator_init),
+    (f"{_GC}._resolve_outplace_all_reduce_method", "AROUND", hooks.resolve_outplace_all_reduce_method),
+    (f"{_GC}._all_reduce_out_place", "AROUND", hooks.all_reduce_out_place),
+    (f"{_GC}._all_reduce_in_place", "AROUND", hooks.all_reduce_in_place),
+    (f"{_GC}._can_use_flashinfer_allreduce", "AROUND", hooks.can_use_flashinfer_allreduce),
+    (f"{_GC}._all_gather_into_tensor", "AROUND", hooks.all_gather_into_tensor),
+    (f"{_GC}._reduce_scatter_tensor", "AROUND", hooks.reduce_scatter_tensor),
+    (f"{_GC}.all_gatherv", "AROUND", hooks.all_gatherv),
+    (f"{_GC}.reduce_scatterv", "AROUND", hooks.reduce_scatterv),
+    (f"{_GC}._all_to_all_single", "AROUND", hooks.all_to_all_single),
+    (f"{_GC}.graph_capture", "AROUND", hooks.graph_capture),
+    (f"{_GC}.destroy", "BEFORE", hooks.destroy),
+    # --purlin-nccl-free (single_gpu.py): rank -> GPU mapping in the launcher, gloo instead of nccl.
+    ("sglang.srt.utils.common.maybe_reindex_device_id", "AROUND", single_gpu.reindex_device_id),
+    (f"{_PS}.get_default_distributed_backend", "AROUND", single_gpu.distributed_backend),
+    # MoE dispatcher (moe_hooks.py): purlin's dispatch / combine with moe.dispatcher purlin.
+    (moe_hooks.TARGET, "AROUND", moe_hooks.create_moe_dispatcher),
+]
+# Not hooks but switched with purlin on (conflicts.py): the flags and config fields of SGLang's
+# competing all-reduce paths; checked to exist with the hooks.
+WORKER_TARGETS = tuple(t for t, _, _ in HOOKS if t.startswith(_GC)) + conflicts.TARGETS
+# What --purlin-nccl-free needs in effect (with either backend): checked when the flag is parsed.
+NCCL_FREE_TARGETS = (f"{_GC}.__init__", f"{_GC}.all_gatherv", f"{_GC}.reduce_scatterv",
+                     "sglang.srt.utils.common.maybe_reindex_device_id",
+                     f"{_PS}.get_default_distributed_backend") + conflicts.TARGETS

@@ -52,9 +52,9 @@ def map_gpu_id(gpu_id: int, visible: int, base_gpu_id: int = 0) -> int:
 
 
 def enabled() -> bool:
-    from . import plugin
+    from .settings import active_settings
 
-    return plugin.active_settings().nccl_free
+    return active_settings().nccl_free
 
 
 def _visible_gpus() -> int:

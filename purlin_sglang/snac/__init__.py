@@ -7,12 +7,12 @@ from .lower import (
 from .plan import (
     Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
 )
-from .planner import choose_algorithm, consumers, has_packet_form, make_plan, producers
+from .planner import algorithms_of, choose_algorithm, consumers, has_packet_form, make_plan, producers
 from .policy import ALIGN, TuningPolicy
 
 __all__ = [
     "Copy", "Op", "PacketCopy", "PacketPut", "PacketReduce", "Push", "Reduce", "Schedule", "Signal", "Sizes",
     "Span", "WaitDrainAll", "WaitSignal", "lower", "part_range", "Ack", "Buf", "ConsumeStep", "Drain", "DrainAll",
-    "Item", "Notify", "Plan", "RankProgram", "Ref", "Stage", "Step", "Wait", "choose_algorithm", "consumers",
-    "has_packet_form", "make_plan", "producers", "ALIGN", "TuningPolicy",
+    "Item", "Notify", "Plan", "RankProgram", "Ref", "Stage", "Step", "Wait", "algorithms_of", "choose_algorithm",
+    "consumers", "has_packet_form", "make_plan", "producers", "ALIGN", "TuningPolicy",
 ]

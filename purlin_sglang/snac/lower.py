@@ -19,8 +19,8 @@ from typing import Union
 from ..collectives import ReduceOp
 from ..errors import PurlinPlanError
 from .plan import Ack, Buf, ConsumeStep, Drain, DrainAll, Notify, Plan, Push, Ref, Stage, Wait
-from .planner import consumers, max_items, producers
-from .policy import ALIGN, PACKET_WINDOW_BYTES
+from .planner import consumers, producers
+from .policy import ALIGN, PACKET_WINDOW_BYTES, max_items
 
 
 @dataclass(frozen=True)

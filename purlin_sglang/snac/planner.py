@@ -30,7 +30,7 @@ from ..errors import PurlinPlanError
 from .plan import (
     Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
 )
-from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy
+from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy, max_items
 
 
 def producers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
@@ -39,11 +39,6 @@ def producers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, 
 
 def consumers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
     return (root,) if spec.output.rooted else tuple(range(world))
-
-
-def max_items(world: int) -> int:
-    """Staging items per rank that any plan of ``world`` ranks may use (the two-shot plan's world + 1)."""
-    return world + 1
 
 
 def has_packet_form(spec: CollectiveSpec) -> bool:
@@ -66,29 +61,49 @@ def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> i
     return -(-nbytes // world) if spec.input.sliced and world else nbytes
 
 
+def algorithms_of(spec: CollectiveSpec, *, packets: bool) -> tuple[str, ...]:
+    """The algorithms ``spec`` has on an engine with (``packets``) or without the packet protocol."""
+    return (("packet",) if packets and has_packet_form(spec) else ()) + ("oneshot",) + (
+        ("twoshot",) if _reduces_to_all(spec) else ())
+
+
+def band(bands: tuple[tuple[int, str], ...], nbytes: int) -> str:
+    """A tuning table's algorithm for ``nbytes``: the first band with ``nbytes <= max_bytes`` (beyond
+    the last band: the last band's). Tables: snac/table.py."""
+    for max_bytes, algorithm in bands:
+        if nbytes <= max_bytes:
+            return algorithm
+    return bands[-1][1]
+
+
 def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
-                     world: int | None = None) -> str:
+                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None) -> str:
     """The regime of one call; ``nbytes``: this rank's input bytes, ``world``: the group size.
 
     ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
     result bitwise). Collectives with a packet form (:func:`has_packet_form`) take ``packet`` when
     forced, or under ``auto`` when the largest push fits ``packet_max_bytes`` (and the window).
     Beyond that, only reductions of a packed payload into a packed output on every rank have a
-    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``."""
+    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``.
+
+    ``bands``: this collective's measured bands from a tuning table (snac/table.py), used under
+    ``auto`` for a known ``nbytes`` in place of the thresholds above, where the band's algorithm can
+    run (``packet`` needs the protocol and a push that fits the window; else the thresholds decide).
+    The answer depends only on its arguments: ranks that agree on them agree on the algorithm."""
     algorithm = policy.algorithm
+    if algorithm == "auto" and bands and nbytes is not None:
+        measured = band(bands, nbytes)
+        if measured != "packet":
+            return measured
+        if packets and has_packet_form(spec) and packet_push_bytes(spec, nbytes, world) <= PACKET_WINDOW_BYTES:
+            return "packet"
     if packets and algorithm in ("auto", "packet") and has_packet_form(spec):
         if algorithm == "packet":
             return "packet"
         limit = min(policy.packet_max_bytes, PACKET_WINDOW_BYTES)
         if nbytes is not None and packet_push_bytes(spec, nbytes, world) <= limit:
             return "packet"
-    reduce_all = (
-        not spec.consume.is_copy
-        and not spec.input.sliced
-        and not spec.output.sliced
-        and not spec.rooted
-    )
-    if not reduce_all or algorithm in ("oneshot", "packet"):
+    if not _reduces_to_all(spec) or algorithm in ("oneshot", "packet"):
         return "oneshot"
     if algorithm == "twoshot" or nbytes is None:  # size resolved later (e.g. on device): bounded traffic
         return "twoshot"
@@ -104,12 +119,16 @@ def make_plan(
     nbytes: int | None = None,
     staging_bytes: int,
     policy: TuningPolicy | None = None,
+    algorithm: str | None = None,
 ) -> Plan:
     """Derive the plan of ``spec`` for ``rank`` of ``world``.
 
-    ``nbytes`` (the per-rank payload, if known on the host) only steers the choice
-    of regime; the plan's structure does not depend on it. Deterministic: the same
-    arguments give an equal plan.
+    ``algorithm``: the regime the caller chose with :func:`choose_algorithm` (``packet``,
+    ``oneshot`` or ``twoshot``; the Communicator decides once per call shape and passes it
+    here). None: choose it here from ``nbytes`` (the per-rank payload, if known on the host)
+    and ``policy``, as for an engine with packets exactly when ``policy.algorithm`` forces them.
+    The plan's structure does not depend on ``nbytes``. Deterministic: the same arguments give
+    an equal plan.
     """
     policy = policy or TuningPolicy()
     if world < 1:
@@ -121,7 +140,10 @@ def make_plan(
             raise PurlinPlanError(f"{spec.name}: needs a root rank in [0, {world}), got {root!r}")
     else:
         root = None
-    algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet", world=world)
+    if algorithm is None:
+        algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet", world=world)
+    else:
+        _check_algorithm(spec, algorithm)
     if algorithm == "packet":
         body = _packet(spec, world, rank, root)
         program = RankProgram(rank, (), (), tuple(body))
@@ -145,6 +167,22 @@ def make_plan(
     prologue: tuple[Step, ...] = (DrainAll(),) if items else ()
     program = RankProgram(rank, tuple(items), prologue, tuple(body))
     return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
+
+
+def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
+    """A chosen ``algorithm`` must be one that ``spec`` has (what :func:`choose_algorithm` can answer)."""
+    if algorithm == "packet" and not has_packet_form(spec):
+        raise PurlinPlanError(f"{spec.name}: has no packet form (V forms and rooted collectives stay staged)")
+    if algorithm == "twoshot" and not _reduces_to_all(spec):
+        raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
+                              "packed output on every rank)")
+    if algorithm not in ("packet", "oneshot", "twoshot"):
+        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'oneshot' or 'twoshot', got {algorithm!r}")
+
+
+def _reduces_to_all(spec: CollectiveSpec) -> bool:
+    """Reductions of a packed payload into a packed output on every rank (all_reduce): the two-shot form."""
+    return not spec.consume.is_copy and not spec.input.sliced and not spec.output.sliced and not spec.rooted
 
 
 def _sent(spec: CollectiveSpec, me: int, c: int) -> Ref:

@@ -7,7 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
-PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (layout.PACKET_MAX_BYTES)
+PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (the receive window)
+
+
+def max_items(world: int) -> int:
+    """Staging items per rank that any plan of ``world`` ranks may use (the two-shot plan's world + 1).
+
+    The one place this is decided: the planner, the lowering and the workspace layouts read it."""
+    return world + 1
 
 
 class TuningPolicy(BaseModel):
@@ -23,6 +30,11 @@ class TuningPolicy(BaseModel):
       everything else runs ``oneshot``. ``packet`` / ``oneshot`` / ``twoshot`` force one where
       the collective has it (``packet`` only up to 64 KiB per push, the size of a receive
       window; larger calls are refused), else ``oneshot``.
+    * ``table``: path of a tuning table (JSON, written by ``purlin-sglang tune``; snac/table.py).
+      Under ``auto``, where the table has an entry for this GPU model (or ``cpu``), the world size
+      and the collective, its measured band for the call's size replaces the two thresholds
+      above; elsewhere (and with no table: the default) the thresholds decide. They are the shipped
+      defaults, measured on the H200 (docs/RESULTS.md); no H200 table has been measured yet.
     * ``slots``: staging slots per item, used cyclically (2 = double buffering).
     * ``max_chunk_bytes``: the largest chunk; chunks are otherwise as large as the
       staging budget allows, so small payloads run in a single chunk.
@@ -33,5 +45,6 @@ class TuningPolicy(BaseModel):
     algorithm: Literal["auto", "packet", "oneshot", "twoshot"] = "auto"
     packet_max_bytes: int = Field(64 * 1024, ge=0, le=PACKET_WINDOW_BYTES)  # measured: RESULTS.md
     oneshot_max_bytes: int = Field(256 * 1024, ge=0)
+    table: str | None = Field(None, min_length=1)
     slots: int = Field(2, ge=1, le=64)
     max_chunk_bytes: int = Field(4 * 1024 * 1024, ge=ALIGN)

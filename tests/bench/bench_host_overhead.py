@@ -26,7 +26,8 @@ import ctypes
 import torch
 
 from purlin_sglang import native
-from purlin_sglang.api import Communicator, _VirtualWorld
+from purlin_sglang.api import Communicator
+from purlin_sglang.virtual import VirtualWorld
 from purlin_sglang.config import PurlinConfig
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.memory.layout import DeviceLayout
@@ -68,7 +69,7 @@ class FakeNativeLibrary:
         self.launches += 1
         return 0
 
-    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0) -> None:
+    def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
 
     def error_string(self, code: int) -> str:
@@ -115,8 +116,8 @@ def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int) -> cuda_m
 def make_comm(world: int, engine) -> Communicator:
     """Rank 0 of a virtual CPU world of ``world`` ranks, its engine replaced by ``engine``."""
     cfg = PurlinConfig(staging_bytes=1 << 20)
-    vw = _VirtualWorld(world, cfg, torch.device("cpu"), "cpu")
-    comm = Communicator._virtual(vw, 0)
+    vw = VirtualWorld(world, cfg, torch.device("cpu"))
+    comm = Communicator._virtual(vw, 0, "cpu", "host")
     comm._engine.close()
     comm._engine, comm.engine_name = engine, "cuda"
     return comm

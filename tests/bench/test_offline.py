@@ -190,11 +190,11 @@ def test_generated_dataset_is_read_by_sglang_loaders_without_downloading(tmp_pat
     import random
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import make_tiny_model
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "examples" / "make_tiny_model.py")
+    make_tiny_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny_model)
     make_tiny_model.write_model(tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     path = tmp_path / "dataset.json"
@@ -290,6 +290,11 @@ def test_table_ratio_and_chart(tmp_path):
     assert "purlin/nccl" not in single and "6.25" in single
     pytest.importorskip("matplotlib")
     assert offline.plot_compare(rows, ["nccl", "purlin"], tmp_path / "c.png") is None
+    names = offline.legend_names(["nccl", "purlin"], nccl_free=True)
+    assert names == {"nccl": "nccl (SGLang's collectives on gloo)", "purlin": "purlin"}
+    assert offline.legend_names(["nccl", "purlin"], nccl_free=False)["nccl"] == "nccl"
+    assert offline.plot_compare(rows, ["nccl", "purlin"], tmp_path / "d.png", names=names, subtitle="TP=2") is None
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import purlin_sglang as ps
-from _torch_reference import (
+from purlin_sglang.testing.collectives import (
     COLLECTIVES, REDUCING, assert_bits_equal, bits, case, case_expected, case_inputs, check_case,
 )
 from purlin_sglang.testing import WorkerError, launch

@@ -1,6 +1,6 @@
 """The CPU engine in virtual mode (ranks as threads of one process) against plain torch references.
 
-Every result is compared bitwise with the reference in ``_torch_reference`` (reductions are defined
+Every result is compared bitwise with the reference in ``purlin_sglang.testing.collectives`` (reductions are defined
 as rank-order accumulation, 16-bit floats in float32), through the ``out=``, default-allocated and
 in-place output paths, with outputs poisoned before each call.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import purlin_sglang as ps
-from _torch_reference import (
+from purlin_sglang.testing.collectives import (
     COLLECTIVES, COPY_DTYPES, OPS, REDUCE_DTYPES, REDUCING, assert_bits_equal, bits, case, case_inputs,
     check_case,
 )

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import purlin_sglang as ps
-import purlin_sglang.api as api
-from _torch_reference import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
+import purlin_sglang.engines.cpu as cpu_engine
+from purlin_sglang.testing.collectives import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
@@ -30,8 +30,9 @@ class _Sim:
     """One rank's interpreter model: int64 words of every rank, staging bytes, packet windows."""
 
     packets = True  # like the CUDA engine: the planner may choose the packet protocol
+    table_bytes = 0
 
-    def __init__(self, ws, rank: int, world: int, timeout_s: float):
+    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None):
         self.rank, self.world, self.broken = rank, world, None
         self.dl = DeviceLayout(world, ws.layout.staging_bytes)
         with _LOCK:
@@ -44,6 +45,12 @@ class _Sim:
 
     def mark_broken(self, reason):
         self.broken = reason
+
+    def check(self):
+        pass
+
+    def synchronize(self):
+        pass
 
     def close(self):
         pass
@@ -158,7 +165,7 @@ class _Sim:
 
 @pytest.fixture
 def sim(monkeypatch):
-    monkeypatch.setattr(api, "CpuEngine", _Sim)
+    monkeypatch.setattr(cpu_engine, "CpuEngine", _Sim)  # what engines.create("cpu", ...) builds
     yield
     _SHARED.clear()
 

@@ -4,12 +4,10 @@ and test_packets.py: run a list of cases on both, out= (poisoned) and in place, 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import assert_bits_equal, case_call, case_expected, case_inputs, poison_like  # noqa: E402
+from purlin_sglang.testing.collectives import assert_bits_equal, case_call, case_expected, case_inputs, poison_like  # noqa: E402
 
 SEED = int.from_bytes(os.urandom(3), "little")  # fresh inputs every run; printed on failure
 CFG = {"staging_bytes": 1 << 20, "timeout_s": 8}

@@ -1,16 +1,13 @@
 """Pieces of the multi-process GPU test workers, shared by test_cuda_group.py and test_nvshmem_provider.py.
 
 They run inside the ranks that ``purlin_sglang.testing.launch`` spawns (the spawned processes get
-this process's ``sys.path``, so ``tests/gpu`` and ``tests/engines`` are importable there too).
+this process's ``sys.path``, where pytest put ``tests/gpu``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-from _torch_reference import assert_bits_equal, case_call, case_expected, case_inputs, poison_like  # noqa: E402
+from purlin_sglang.testing.collectives import assert_bits_equal, case_call, case_expected, case_inputs, poison_like  # noqa: E402
 
 
 def mismatches_vs_cpu(cuda, cpu, cases, rank: int, world: int) -> list[str]:

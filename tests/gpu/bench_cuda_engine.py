@@ -39,7 +39,7 @@ def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict) -> 
         out = torch.empty_like(x)
         comm.all_reduce(x, out=out)
         comm.synchronize()
-        sched = next(iter(comm._schedules.values()))
+        sched = next(iter(comm._path.schedules.values()))
         g = torch.cuda.CUDAGraph()
         barrier.wait()
         with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):

@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import sys
 
 import torch
 
 from purlin_sglang import native
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under `python -P`
-from _bench_util import time_ms  # noqa: E402
+from purlin_sglang.bench.timing import time_ms
 
 
 def main() -> None:

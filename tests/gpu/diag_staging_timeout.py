@@ -10,15 +10,12 @@ world-8 timeout seen on 2026-12-02.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import threading
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import case, case_call, case_inputs  # noqa: E402
+from purlin_sglang.testing.collectives import case, case_call, case_inputs  # noqa: E402
 from purlin_sglang.engines import cuda as cuda_engine  # noqa: E402
 
 

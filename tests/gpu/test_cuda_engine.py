@@ -3,19 +3,15 @@ collective, size, dtype and op; CUDA graphs replayed many times; timeouts that n
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-sys.path.insert(0, os.path.dirname(__file__))
 import purlin_sglang as ps  # noqa: E402
 from _engine_check import CFG, SEED, check  # noqa: E402
-from _torch_reference import COLLECTIVES, OPS, REDUCE_DTYPES, REDUCING, case, make_input  # noqa: E402
+from purlin_sglang.testing.collectives import COLLECTIVES, OPS, REDUCE_DTYPES, REDUCING, case, make_input  # noqa: E402
 from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
 
 pytestmark = [
@@ -109,7 +105,7 @@ def _graph_calls(comm, bufs):
 
 
 def _graph_expected(world, r, s):
-    from _torch_reference import all_gather, all_reduce, all_to_all, reduce_scatter
+    from purlin_sglang.testing.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 
     xs = {k: [make_input(s * 10 + j, p, shp, dt) for p in range(world)]
           for j, (k, shp, dt) in enumerate(_GRAPH_INPUTS(world))}

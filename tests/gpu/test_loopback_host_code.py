@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
 import purlin_sglang as ps  # noqa: E402
-from _torch_reference import COLLECTIVES, REDUCING, case, case_call, case_expected, case_inputs  # noqa: E402
+from purlin_sglang.testing.collectives import COLLECTIVES, REDUCING, case, case_call, case_expected, case_inputs  # noqa: E402
 from purlin_sglang.errors import PurlinTimeoutError  # noqa: E402
 
 pytestmark = [

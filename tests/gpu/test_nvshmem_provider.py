@@ -12,14 +12,11 @@ create still works afterwards (those processes exit without shutdown()).
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-sys.path.insert(0, os.path.dirname(__file__))
-from _torch_reference import case  # noqa: E402
+from purlin_sglang.testing.collectives import case  # noqa: E402
 from _workers import mismatches_vs_cpu  # noqa: E402
 from test_ipc_provider import _attempt, check_results, exercise, make_layout, setup_failures_worker  # noqa: E402
 

@@ -7,16 +7,12 @@ Short on purpose (device time is scarce): a handful of check() calls, each one s
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engines"))
-sys.path.insert(0, os.path.dirname(__file__))
 from _engine_check import CFG, SEED, check  # noqa: E402
-from _torch_reference import COPY_DTYPES, OPS, case, packet_cases  # noqa: E402
+from purlin_sglang.testing.collectives import COPY_DTYPES, OPS, case, packet_cases  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

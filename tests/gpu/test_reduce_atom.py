@@ -212,7 +212,7 @@ def test_reduce_atom_native_rejects_bad_arguments(lib):
 
     def call(dst, srcs, nbytes, dtype=3, op=1, max_blocks=0):
         arr = (ctypes.c_void_p * max(1, len(srcs)))(*srcs)
-        return int(fn(dst, arr, len(srcs), nbytes, dtype, op, None, max_blocks))
+        return int(fn(dst, arr, len(srcs), nbytes, dtype, op, None, max_blocks, buf.device.index))
 
     assert call(p, [p], 16) == 0
     assert call(p, [p], 16, dtype=0) == CUDA_ERROR_INVALID_VALUE

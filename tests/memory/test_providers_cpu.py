@@ -145,7 +145,7 @@ def _ipc_scenarios(rank, world):
     out = {}
 
     def create(fake, nbytes=NBYTES, device_index=0, r=rank, w=world, layout=None):
-        ipc_mod._load_cudart = lambda: fake
+        ipc_mod.load_cudart = lambda: fake
         return ipc_mod.IpcWorkspace.create(nbytes, None, device_index, r, w, layout=layout)
 
     # 1. Same GPU: own pointer for me, opened pointers for peers, no peer access calls; close twice.
@@ -203,7 +203,7 @@ def _ipc_scenarios(rank, world):
     out["open_fails"] = _attempt(lambda: create(fake)) + (sorted(fake.live), sorted(fake.opened))
 
     # 9. The real cuda-python on this machine (no GPU expected): a clear PurlinUnavailableError on both.
-    ipc_mod._load_cudart = _REAL_LOAD
+    ipc_mod.load_cudart = _REAL_LOAD
     if not torch.cuda.is_available():
         out["real_no_gpu"] = _attempt(lambda: ipc_mod.IpcWorkspace.create(NBYTES, None, 0, rank, world))
 
@@ -227,7 +227,7 @@ def _ipc_scenarios(rank, world):
     return out
 
 
-_REAL_LOAD = ipc._load_cudart
+_REAL_LOAD = ipc.load_cudart
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +309,7 @@ def test_missing_cuda_python_says_pip_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)
     monkeypatch.setitem(sys.modules, "cuda.cudart", None)
     with pytest.raises(PurlinUnavailableError, match="pip install cuda-python"):
-        ipc._load_cudart()
+        ipc.load_cudart()
 
 
 def test_create_without_torch_distributed_raises_at_once():

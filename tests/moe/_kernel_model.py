@@ -40,13 +40,14 @@ class FakeMoELib:
         self.timeout_s = timeout_s
         self.launches = []
 
-    def moe_occupancy(self):
+    def moe_occupancy(self, device=-1):
+        self.device = device
         return 2, 132
 
     def error_string(self, code):
         return f"fake error {code}"
 
-    def copy_atom(self, dst, src, nbytes, stream, max_blocks=0):
+    def copy_atom(self, dst, src, nbytes, stream, max_blocks=0, device=-1):
         ctypes.memmove(dst, src, nbytes)
 
     # -- helpers --------------------------------------------------------------------------------------

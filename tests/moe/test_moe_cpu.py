@@ -164,6 +164,17 @@ def test_hidden_size_mismatch_across_ranks_raises_on_every_rank():
         assert torch.equal(y, x)
 
 
+def test_dtype_mismatch_across_ranks_names_the_dtypes_on_every_rank():
+    def fn(c):
+        x = torch.randn(2, 4, dtype=(torch.float32, torch.bfloat16)[c.rank])
+        ids = torch.zeros(2, 1, dtype=torch.int64)
+        with pytest.raises(ps.PurlinValueError) as e:
+            c.moe_dispatch(x, ids, torch.ones(2, 1), num_experts=2)
+        return str(e.value)
+    for msg in ps.run_virtual(2, fn, config=CFG):
+        assert "disagree on x dtype: ['float32', 'bfloat16'] (rank order)" in msg, msg
+
+
 def test_interleaved_with_collectives_and_repeated_calls():
     xs, ids, ws = make_case(3, 6, 2, 4, torch.float32, 9)
 

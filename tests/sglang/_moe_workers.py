@@ -124,6 +124,7 @@ def purlin_layer(rank: int, world: int, config_path: str, fp8_config_path: str, 
 
     load_plugins()
     plugin.verify_hooks()
+    said = _keep_log("purlin_sglang.sglang.moe_dispatcher", "MoE layers dispatch and combine through purlin")
     with plugin.activate("purlin", config_path, nccl_free=True):
         _setup(rank, world)
         layer = _layer(rank, world)
@@ -149,6 +150,9 @@ def purlin_layer(rank: int, world: int, config_path: str, fp8_config_path: str, 
     x, ids, w = routing(16, 4, False)
     out["after refusal"] = _forward(layer, x, ids, w)
     out["comm"] = repr(layer.dispatcher.comm)
+    pc = layer.dispatcher.group.purlin_comm  # the EP group's: its routing report counts the MoE calls
+    out["moe counts"] = (pc.routed["moe_dispatch"], pc.routed["moe_combine"])
+    out["dispatcher said"] = list(said)
     out["prefill warning"] = _prefill_warning(world)
     with plugin.activate("purlin", none_config_path, nccl_free=True):  # moe.dispatcher none: SGLang's own
         out["dispatcher none"] = type(_layer(rank, world).dispatcher).__name__
@@ -186,6 +190,24 @@ def _shipped_serving_config() -> dict:
     moe = moe_settings_of(settings.load_config())
     return {"backend": settings.backend, "nccl_free": settings.nccl_free, "a2a": sa.moe_a2a_backend,
             "ep": sa.ep_size, "chunked": sa.chunked_prefill_size, "moe": (moe.dispatcher, moe.max_tokens_per_rank)}
+
+
+def _keep_log(name: str, text: str) -> list:
+    """The INFO+ messages of logger ``name`` that contain ``text``, collected from now on."""
+    import logging
+
+    lines: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if text in record.getMessage():
+                lines.append(record.getMessage())
+
+    log = logging.getLogger(name)
+    log.addHandler(Keep(level=logging.INFO))
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    return lines
 
 
 def _prefill_warning(world: int) -> list:

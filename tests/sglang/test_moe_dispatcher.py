@@ -63,6 +63,11 @@ def test_fused_moe_through_purlin_matches_one_rank(tmp_path, reference):
         assert "moe.max_tokens_per_rank 128" in f["too many"], f
         assert f["after refusal"].shape == (16, W.H)
         assert "engine=cpu" in f["comm"], f
+        # every successful dispatch and combine is in the group's routing report (the refusal is not);
+        # the start-up line says purlin dispatches, once per process although two layers were built
+        assert f["moe counts"] == (3 * len(W.CASES) + 1,) * 2, f["moe counts"]
+        assert len(f["dispatcher said"]) == 2, f["dispatcher said"]  # two configs: activations' dtype, fp8
+        assert "engine cpu" in f["dispatcher said"][0] and "float8_e4m3fn" in f["dispatcher said"][1], f
         assert f["dispatcher none"] == "StandardDispatcher", f
         assert len(f["prefill warning"]) == 1 and "shards of 250 tokens per rank, more than " \
             "moe.max_tokens_per_rank 128" in f["prefill warning"][0], f["prefill warning"]

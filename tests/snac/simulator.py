@@ -48,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 
+from purlin_sglang import reference as R
 from purlin_sglang.collectives import (
     CATALOG, COPY, PACKED, PACKED_V, REDUCE, SCATTERED, SCATTERED_V, TRANSPOSED, TRANSPOSED_V,
     CollectiveSpec, Layout, ReduceOp,
@@ -192,32 +194,37 @@ def _reduce(op: ReduceOp, parts: Sequence[np.ndarray], dtype) -> np.ndarray:
 
 def _torch_reference(name, spec, world, root, sizes, inputs, dtype):
     """torch.distributed semantics (all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
-    all_to_all_single, broadcast, gather, reduce, scatter), or None for an unnamed collective."""
-    op = spec.consume.reduce
-    ins = list(inputs)
-    if name == "all_reduce":
-        r = _reduce(op, ins, dtype)
-        return [r.copy() for _ in range(world)]
-    if name in ("all_gather", "all_gather_v"):
-        r = np.concatenate(ins)
-        return [r.copy() for _ in range(world)]
-    if name in ("reduce_scatter", "reduce_scatter_v"):
-        total = _reduce(op, ins, dtype)  # reduce first, then scatter by the output sizes
-        out_sizes = [sizes[c].output[0] for c in range(world)]
-        return [x.copy() for x in _split(total, out_sizes)]
-    if name in ("all_to_all", "all_to_all_v"):
-        pieces = [_split(ins[p], sizes[p].input) for p in range(world)]
-        return [np.concatenate([pieces[p][c] for p in range(world)]) for c in range(world)]
-    if name == "broadcast":
-        return [ins[root].copy() for _ in range(world)]
-    if name in ("gather", "gather_v"):
-        return [np.concatenate(ins) if r == root else None for r in range(world)]
-    if name == "reduce":
-        return [_reduce(op, ins, dtype) if r == root else None for r in range(world)]
-    if name in ("scatter", "scatter_v"):
-        pieces = _split(ins[root], sizes[root].input)
-        return [pieces[c].copy() for c in range(world)]
-    return None
+    all_to_all_single, broadcast, gather, reduce, scatter and the V forms) from the package's torch
+    reference (purlin_sglang.reference) over the byte buffers viewed as ``dtype`` (bytes for copies),
+    or None for an unnamed collective."""
+    dt = np.dtype(np.uint8 if dtype is None or spec.consume.is_copy else dtype)
+    item = dt.itemsize
+    xs = [torch.from_numpy(np.ascontiguousarray(b).view(dt).copy()) for b in inputs]
+    op = "sum" if spec.consume.is_copy else spec.consume.reduce.value
+
+    def elems(nbytes) -> list[int]:
+        return [n // item for n in nbytes]
+
+    base = name[:-2] if name.endswith("_v") else name
+    if base == "all_reduce":
+        outs = [R.all_reduce(xs, r, op) for r in range(world)]
+    elif base == "all_gather":
+        outs = [R.all_gather(xs, r) for r in range(world)]
+    elif base == "reduce_scatter":
+        outs = [R.reduce_scatter_v(xs, r, elems(sizes[c].output[0] for c in range(world)), op) for r in range(world)]
+    elif base == "all_to_all":
+        outs = [R.all_to_all_v(xs, r, [elems(sizes[p].input) for p in range(world)]) for r in range(world)]
+    elif base == "broadcast":
+        outs = [R.broadcast(xs, r, root) for r in range(world)]
+    elif base == "gather":
+        outs = [R.gather(xs, r, root) for r in range(world)]
+    elif base == "reduce":
+        outs = [R.reduce(xs, r, root, op) for r in range(world)]
+    elif base == "scatter":
+        outs = [R.scatter(xs, r, root, elems(sizes[root].input)) for r in range(world)]
+    else:
+        return None
+    return [None if t is None else t.contiguous().numpy().view(np.uint8).copy() for t in outs]
 
 
 def _naming_reference(spec, world, root, sizes, inputs, dtype):

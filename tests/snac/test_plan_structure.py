@@ -17,7 +17,7 @@ from purlin_sglang.snac import (
     ALIGN, Ack, ConsumeStep, Drain, DrainAll, Notify, Sizes, Stage, TuningPolicy, Wait, WaitDrainAll,
     choose_algorithm, lower, make_plan,
 )
-from purlin_sglang.snac.planner import max_items
+from purlin_sglang.snac.policy import max_items
 
 NAMED = sorted(S.NAMED_SPECS.values(), key=lambda s: s.name)
 ALL_SPECS = NAMED + S.all_valid_namings()
@@ -76,13 +76,12 @@ def _describe_all() -> list[str]:
 def test_describe_is_identical_across_processes_and_hash_seeds():
     """No dependence on set/dict iteration order or object identity: a fresh interpreter with
     another hash seed prints the same plans as this one."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_plan_structure as t; "
-              "print(json.dumps(t._describe_all()))")
+    here = os.path.dirname(os.path.abspath(__file__))  # on the child's PYTHONPATH, as pytest put it on ours
+    script = "import json, test_plan_structure as t; print(json.dumps(t._describe_all()))"
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
-    res = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True, text=True,
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     theirs, mine = json.loads(res.stdout), _describe_all()
     assert len(mine) == len(NAMED) * 2 * 9

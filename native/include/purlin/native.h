@@ -3,33 +3,53 @@
 // Every CUDA entry point returns a cudaError_t code (0 = success) and never aborts: on a machine
 // with no driver or no GPU it returns that error. Pointers may be local device memory or a
 // peer's memory mapped over NVLink (P2P). Streams are cudaStream_t handles (0 = legacy default).
-// Bump PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt) whenever a signature here changes.
+// Bump PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt) whenever a signature, a struct or a
+// constant here (or in purlin/encoding.h) changes; purlin_native_layout() exports them all and
+// purlin_sglang/native.py compares that export with its own copies when it loads the library.
+//
+// Devices (ABI 7): this library links its own static CUDA runtime, whose current device is its own.
+// Every entry point that launches or queries a device takes the CUDA device index (an argument, or
+// the `device` field of its parameter struct) and makes that device current on the calling thread
+// (cudaSetDevice where it differs) before it touches the device; it restores nothing,
+// so on return the calling thread's current device is `device`. device == -1 keeps the runtime's
+// current device (callers that manage it themselves).
 #pragma once
 #include <stddef.h>
 
 #define PURLIN_API extern "C" __attribute__((visibility("default")))
 
-// Always present.
+// Always present (host-only builds too).
 PURLIN_API int purlin_native_abi_version(void);
-// JSON: {"abi": 4, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not"}
+// JSON: {"abi": 7, "cuda": bool, "archs": ["90", ...], "nvcc": "13.0.88" | null, "reason": null | "why not", ...}
 PURLIN_API const char* purlin_native_build_info(void);
+// The layout this library was compiled with: *count entries (name, value), static storage. Names:
+// "PURLIN_NATIVE_ABI_VERSION"; "sizeof(S)", "offsetof(S, f)" and "sizeof(S.f)" for every field of
+// PurlinSnacParams and PurlinMoeParams; the macros and enums of this header by their C names;
+// "snac.*" and "moe.*" for purlin/encoding.h (opcodes, kinds, buffers, shifts, error records, ...).
+typedef struct PurlinAbiEntry {
+  const char* name;
+  long long value;
+} PurlinAbiEntry;
+PURLIN_API const PurlinAbiEntry* purlin_native_layout(int* count);
 
 // Present only when the module was built with CUDA.
 PURLIN_API const char* purlin_cuda_error_string(int code);
 // Number of visible CUDA devices in *count; returns the cudaError_t of cudaGetDeviceCount.
 PURLIN_API int purlin_cuda_device_count(int* count);
-// Copy atom: dst[0:bytes] = src[0:bytes] on `stream` (asynchronous; the ranges must not overlap).
-// Any alignment and any size; 16-byte accesses where dst and src agree modulo 16.
-// Safe under CUDA graph capture (one kernel launch, no host sync, no allocation).
-PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* stream);
-// Same, with at most `max_blocks` thread blocks (0 = enough to fill the device): collectives
-// bound the SMs a copy may take.
-PURLIN_API int purlin_copy_atom_ex(void* dst, const void* src, size_t bytes, void* stream, int max_blocks);
+// The device this library's runtime was current on at its last launch or device query (after the
+// entry point set it), or -1 before the first one. Process-wide; for tests and diagnostics.
+PURLIN_API int purlin_native_last_device(void);
+// Copy atom: dst[0:bytes] = src[0:bytes] on `stream` of `device` (asynchronous; the ranges must not
+// overlap). Any alignment and any size; 16-byte accesses where dst and src agree modulo 16. At
+// most `max_blocks` thread blocks (0 = enough to fill the device): collectives bound the SMs a copy
+// may take. Safe under CUDA graph capture (one kernel launch, no host sync, no allocation).
+PURLIN_API int purlin_copy_atom(void* dst, const void* src, size_t bytes, void* stream, int max_blocks, int device);
 // The Hopper bulk-copy (TMA) variant of the copy atom (ABI 5): same contract, for dst and src
 // that agree in their misalignment modulo 16; cudaErrorNotSupported on GPUs older than sm_90, on
 // builds without sm_90 code and for other pairs. Through shared memory, so measured per size
 // against the plain atom (docs/RESULTS.md) before any caller uses it.
-PURLIN_API int purlin_copy_atom_bulk(void* dst, const void* src, size_t bytes, void* stream, int max_blocks);
+PURLIN_API int purlin_copy_atom_bulk(void* dst, const void* src, size_t bytes, void* stream, int max_blocks,
+                                     int device);
 
 // Reduce atom (ABI 2). Element types, the `dtype` argument (0 is no type, on purpose):
 enum purlin_dtype {
@@ -57,7 +77,7 @@ enum purlin_reduce_op {
 // range, nbytes not a multiple of the element size, or a null or misaligned pointer (nothing is
 // launched); nbytes == 0 is a no-op. Safe under CUDA graph capture (one launch, no host sync).
 PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, size_t nbytes, int dtype, int op,
-                                  void* stream, int max_blocks);
+                                  void* stream, int max_blocks, int device);
 
 // ---- SNAC interpreter (ABI 5: per-block packet epochs) -----------------------------------------------------------
 // One launch runs one rank's lowered schedule (purlin_sglang/snac/lower.py), encoded ONCE by the
@@ -68,6 +88,7 @@ PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, 
 #define PURLIN_SNAC_MAX_RANKS 64
 #define PURLIN_SNAC_OP_WORDS 12
 #define PURLIN_SNAC_EPOCH_WORDS 16  // per-block packet epochs: at most this many blocks per grid
+#define PURLIN_SNAC_ERROR_WORDS 16  // the host-mapped error record (purlin/encoding.h: ErrorWord)
 typedef struct PurlinSnacParams {
   const long long* ops;       // device: n_ops records, then n_updates (byte offset, delta) pairs
   long long n_ops;
@@ -81,18 +102,24 @@ typedef struct PurlinSnacParams {
   long long notify_off, ack_off, sent_off, expect_off, acked_off, arrive_off, arrive_slots;
   long long exit_off, error_off, staging_off;  // byte offsets in a rank's workspace
   long long timeout_ns;                // bound of every wait (%globaltimer)
-  long long* host_error;               // host-mapped pinned record (16 words), written on a timeout:
-                                       // [1, op index, kind, peer, item, rank, target, seen, tag]
+  long long* host_error;               // host-mapped pinned record (PURLIN_SNAC_ERROR_WORDS), written on a
+                                       // timeout or a bad record: [code, op index, kind, peer, item, rank,
+                                       // target, seen, tag] (purlin/encoding.h)
   long long tag;                       // the host's name for this schedule, echoed in the record
   long long epoch_off;                 // byte offset of my per-block packet-call counters (snac/packet.cuh)
   long long window_off, window_bytes;  // packet receive windows: [2 parities][world producers] x window_bytes
   long long packets;                   // 1: the table holds only packet ops: run the packet kernel
+  long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
 } PurlinSnacParams;
 // Enqueue one rank's schedule on `stream` (asynchronous; safe under CUDA graph capture: one launch,
-// no host sync, no allocation). Returns a cudaError_t (cudaErrorInvalidValue for bad params).
+// no host sync, no allocation). Returns a cudaError_t: cudaErrorInvalidValue for bad params,
+// cudaErrorCooperativeLaunchTooLarge (nothing launched) when `blocks` blocks of the kernel cannot be
+// resident on the device at once. An op the kernel cannot run (unknown opcode, a reduce in a
+// copy-only schedule, dtype 0) is recorded in host_error (code 2) and breaks the workspace.
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream);
-// Max thread blocks of the interpreter per SM (occupancy), for dtype; returns a cudaError_t.
-PURLIN_API int purlin_snac_occupancy(int dtype, int* blocks_per_sm, int* sm_count);
+// The fewest resident blocks per SM over EVERY interpreter and packet kernel (each at its own
+// block size) on `device`, and its SM count; loads every kernel. Returns a cudaError_t.
+PURLIN_API int purlin_snac_occupancy(int device, int* blocks_per_sm, int* sm_count);
 
 // ---- MoE dispatch / combine (ABI 6) ----------------------------------------------------------------------------
 // One launch per call and rank (native/moe/moe_kernel.cuh; plans: purlin_sglang/snac/moe.py). The
@@ -138,13 +165,15 @@ typedef struct PurlinMoeParams {
   const float* weights;                // [T, K] float32
   void* y;                             // [T] rows of ret_bytes
   long long dtype;                     // combine element: purlin_dtype (bf16, f16, f32)
+  long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
 // ids out of range or a mismatch between ranks is written to host_error (see moe_kernel.cuh).
 // Returns a cudaError_t (cudaErrorInvalidValue for bad params: payload/ret bytes not multiples of 16,
-// topk > 32, world * local > PURLIN_MOE_MAX_EXPERTS, tokens > max_tokens, ...).
+// topk > 32, world * local > PURLIN_MOE_MAX_EXPERTS, tokens > max_tokens, ...), and
+// cudaErrorCooperativeLaunchTooLarge (nothing launched) when `blocks` blocks cannot be resident at once.
 PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream);
 PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream);
-// Max resident blocks per SM of both MoE kernels (the smaller), and the SM count; loads both kernels.
-PURLIN_API int purlin_moe_occupancy(int* blocks_per_sm, int* sm_count);
+// Max resident blocks per SM of both MoE kernels (the smaller) on `device`, and its SM count; loads both kernels.
+PURLIN_API int purlin_moe_occupancy(int device, int* blocks_per_sm, int* sm_count);

@@ -1,7 +1,9 @@
-"""Plain torch references for every collective, and input/poison helpers shared by the engine tests.
+"""Collective test cases for every engine's tests (CPU, the interpreter model, GPU): inputs, poisoned
+outputs, bitwise comparison, and one call described as plain (picklable) data, checked against
+:mod:`purlin_sglang.reference` (the one torch reference; its functions are re-exported here).
 
 Reductions are DEFINED as: accumulate (16-bit floats in float32, everything else in its own
-dtype) in rank order 0..n-1, then cast back. The references below do exactly that, so engine
+dtype) in rank order 0..n-1, then cast back. The reference does exactly that, so engine
 results are compared bitwise.
 """
 
@@ -9,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
+from ..engines.base import REDUCE_DTYPES  # noqa: F401 - re-exported for the tests
+from ..reference import (  # noqa: F401 - re-exported for the tests
+    all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v, broadcast, reduce_ref, reduce_scatter,
+    reduce_scatter_v, scatter,
+)
+
 COPY_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
 )
-REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 OPS = ("sum", "max", "min")
 
 
@@ -31,65 +38,6 @@ def make_input(seed: int, rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
     lo, hi = (0, 255) if dtype is torch.uint8 else (-100, 100)
     v = torch.randint(lo, hi, shape, generator=g, dtype=torch.int64)
     return torch.where(v == 0, torch.full_like(v, 7), v).to(dtype)
-
-
-def reduce_ref(tensors, op: str) -> torch.Tensor:
-    """The defined reduction: accumulate in rank order (16-bit floats in float32), then cast."""
-    dtype = tensors[0].dtype
-    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    acc = tensors[0].to(acc_dtype).clone()
-    for t in tensors[1:]:
-        t = t.to(acc_dtype)
-        if op == "sum":
-            acc = acc + t
-        elif op == "max":
-            acc = torch.maximum(acc, t)
-        elif op == "min":
-            acc = torch.minimum(acc, t)
-        else:
-            raise ValueError(op)
-    return acc.to(dtype)
-
-
-def all_reduce(xs, r, op="sum"):
-    return reduce_ref(xs, op)
-
-
-def all_gather(xs, r):
-    return torch.cat(list(xs))
-
-
-def reduce_scatter(xs, r, op="sum"):
-    n = len(xs)
-    return reduce_ref([x.chunk(n)[r] if x.shape[0] else x for x in xs], op)
-
-
-def all_to_all(xs, r):
-    n = len(xs)
-    return torch.cat([x[r * (x.shape[0] // n):(r + 1) * (x.shape[0] // n)] for x in xs])
-
-
-def all_gather_v(xs, r):
-    return torch.cat(list(xs))
-
-
-def reduce_scatter_v(xs, r, sizes, op="sum"):
-    return reduce_ref([x.split(list(sizes))[r] for x in xs], op)
-
-
-def all_to_all_v(xs, r, send):
-    """``send[p][q]``: rows rank p sends to rank q."""
-    return torch.cat([x.split(list(send[p]))[r] for p, x in enumerate(xs)])
-
-
-def broadcast(xs, r, root):
-    return xs[root].clone()
-
-
-def scatter(xs, r, root):
-    n = len(xs)
-    rows = xs[root].shape[0] // n
-    return xs[root][r * rows:(r + 1) * rows].clone()
 
 
 def poison_like(expected: torch.Tensor) -> torch.Tensor:

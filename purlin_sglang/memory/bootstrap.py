@@ -1,0 +1,112 @@
+"""A process group's workspace, made together by every rank (what ``Communicator`` builds on).
+
+:func:`group_workspace` gives this rank its workspace for the engine's memory provider:
+
+* ``host`` (the CPU engine): rank 0 creates one ``/dev/shm`` file, every other rank maps it; the
+  file is unlinked as soon as every rank has mapped it (or failed), so nothing can leak.
+* a GPU provider (``ipc``, ``torch``, ``nvshmem``): the ranks first agree on what shapes the
+  workspace (``staging_bytes`` and the provider; a mismatch is a PurlinConfigError on every rank),
+  then the provider allocates this rank's memory and maps its peers'.
+
+:func:`report_started` ends construction: every rank tells every rank whether its engine started.
+Every phase ends in an all-gather over the group's CPU (gloo) group (:mod:`.setup_phase`), so a
+rank that fails is reported to every rank and no rank is left blocked in a collective. Collective
+over ``group``; blocks the host; call inside :func:`setup_phase.bounded` to bound every wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import PurlinConfigError, PurlinUnavailableError
+from . import setup_phase
+from .host import HostWorkspace, unlink_shared
+from .layout import DeviceLayout, WorkspaceLayout
+
+OP = "Communicator"  # the name set-up errors start with
+
+
+def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,
+                    shm_dir: str = "/dev/shm", device_index: int = 0) -> Any:
+    """This rank's workspace on provider ``memory`` (``host`` or a GPU provider's name)."""
+    if memory == "host":
+        return host_workspace(group, rank, world, staging_bytes, shm_dir)
+    return device_workspace(memory, group, rank, world, staging_bytes, device_index)
+
+
+def host_workspace(group: Any, rank: int, world: int, staging_bytes: int, shm_dir: str) -> HostWorkspace:
+    """Rank 0 creates a shared workspace file in ``shm_dir``, every other rank maps it."""
+    layout = WorkspaceLayout(world, staging_bytes)
+    path, ws, problem = None, None, None
+    try:
+        if rank == 0:
+            try:
+                ws, path = HostWorkspace.create_shared(layout, shm_dir)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                problem = ("error", "unavailable", setup_phase.as_status(e)[2])
+        # Phase 1: every rank learns rank 0's file and staging size (never fails by itself).
+        seen = setup_phase.gather_status(group, world, ("ok", (path, staging_bytes)), OP)
+        path_seen, staging_seen = seen[0][1]
+        if rank != 0:
+            if staging_seen != staging_bytes:
+                problem = ("error", "config", f"rank 0 uses staging_bytes={staging_seen}, rank {rank} uses "
+                                              f"{staging_bytes}; every rank needs the same config")
+            elif path_seen is not None:
+                try:
+                    ws = HostWorkspace.open_shared(layout, path_seen)
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    problem = ("error", "unavailable", setup_phase.as_status(e)[2])
+        # Phase 2: every rank has mapped the file, or every rank learns who could not.
+        statuses = setup_phase.gather_status(group, world, problem or ("ok", None), OP)
+    finally:
+        if path is not None:
+            unlink_shared(path)  # every rank has mapped it (or failed): nothing can leak
+    try:
+        setup_phase.raise_failures(OP, statuses, per_rank=True)
+    except Exception:
+        if ws is not None:
+            ws.close()
+        raise
+    return ws
+
+
+def device_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, device_index: int) -> Any:
+    """Every rank allocates its GPU workspace with provider ``memory`` and maps its peers'.
+
+    The ranks first agree on (``staging_bytes``, ``memory``): an all-gather that is also the
+    barrier, so a mismatch is a PurlinConfigError on every rank, naming every rank's value.
+    """
+    from . import device_provider
+
+    mine = {"staging_bytes": staging_bytes, "memory": memory}
+    seen = setup_phase.agree(OP, group, world, ("ok", mine))
+    differ = [k for k in mine if any(v[k] != seen[0][k] for v in seen)]
+    if differ:
+        raise PurlinConfigError(
+            f"{OP}: ranks disagree on "
+            + "; ".join(f"{k} (" + ", ".join(f"rank {r}={v[k]!r}" for r, v in enumerate(seen)) + ")" for k in differ)
+            + "; every rank needs the same config")
+    layout = DeviceLayout(world, staging_bytes)
+    return device_provider(memory).create(layout.rank_bytes, group, device_index, rank, world, layout=layout)
+
+
+def report_started(group: Any, world: int, engine: str, start: Callable[[], None], cleanup: Callable[[], None]) -> None:
+    """Run ``start()`` (this rank's local engine set-up), then tell every rank whether every rank managed.
+
+    If any rank failed, ``cleanup()`` runs on every rank, then this rank's own error is re-raised
+    (a rank that did start raises a PurlinUnavailableError naming the ranks that did not).
+    """
+    error = None
+    try:
+        start()
+        mine = ("ok", None)
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
+        error, mine = e, ("error", "unavailable", f"{type(e).__name__}: {e}")
+    statuses = setup_phase.gather_status(group, world, mine, OP)
+    failed = [(r, s[2]) for r, s in enumerate(statuses) if s[0] != "ok"]
+    if failed:
+        cleanup()
+        if error is not None:
+            raise error
+        raise PurlinUnavailableError(f"{OP}: the {engine.upper()} engine failed to start on "
+                                     + "; ".join(f"rank {r}: {m}" for r, m in failed))

@@ -1,0 +1,86 @@
+"""Host time of an eager loopback all_reduce (8 KiB bf16), for an A/B of two builds in one device call.
+
+    python3 -P tests/gpu/bench_eager_host.py [--worlds 1,8] [--iters 2000] [--profile N] [--label L]
+
+Uses only the public API (``run_virtual``, ``Communicator.all_reduce``), so the same script times an
+older build (PYTHONPATH in front). Per world: the median and p90 over calls of the slowest rank's
+``time.perf_counter`` around each call, and the wall time per call. ``--profile N``: then N calls of
+world 1 under cProfile, the 15 functions with the most own time (where the host time goes).
+One JSON line per world on stdout; the profile on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+import purlin_sglang as ps
+
+
+def eager(world: int, iters: int) -> dict:
+    barrier = threading.Barrier(world)
+
+    def fn(comm):
+        x = torch.randn(4096, device=comm.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        for _ in range(20):
+            comm.all_reduce(x, out=out)
+        comm.synchronize()
+        barrier.wait()
+        host = []
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = time.perf_counter()
+            comm.all_reduce(x, out=out)
+            host.append(time.perf_counter() - t)
+        comm.synchronize()
+        host.sort()
+        return host[len(host) // 2] * 1e6, host[len(host) * 9 // 10] * 1e6, (time.perf_counter() - t0) * 1e6 / iters
+
+    res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 20})
+    return {"world": world, "median_us": round(max(r[0] for r in res), 2), "p90_us": round(max(r[1] for r in res), 2),
+            "wall_us_per_call": round(max(r[2] for r in res), 2)}
+
+
+def profile(calls: int) -> None:
+    def fn(comm):
+        x = torch.randn(4096, device=comm.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        for _ in range(20):
+            comm.all_reduce(x, out=out)
+        comm.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            comm.all_reduce(x, out=out)
+        prof.disable()
+        comm.synchronize()
+        return prof
+
+    prof = ps.run_virtual(1, fn, device="cuda", config={"staging_bytes": 1 << 20})[0]
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", default="1,8")
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    for w in (int(v) for v in a.worlds.split(",")):
+        print(json.dumps({"label": a.label, "version": getattr(ps, "__file__", "?"), **eager(w, a.iters)}), flush=True)
+    if a.profile:
+        profile(a.profile)
+
+
+if __name__ == "__main__":
+    main()

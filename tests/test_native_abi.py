@@ -1,0 +1,266 @@
+"""The native ABI checked at load, and the device index on the launch path; no GPU needed.
+
+The library exports its layout (purlin_native_layout: struct sizes, field offsets, constants);
+native.load() compares it with the Python side before anything else. The engines pass their
+communicator's CUDA device to every launch and occupancy query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from purlin_sglang import native
+from purlin_sglang.engines import cuda as cuda_mod
+from purlin_sglang.engines import cuda_ops as co
+from purlin_sglang.snac import encoding
+from purlin_sglang.engines.cuda_moe import CudaMoE
+from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
+from purlin_sglang.memory.layout import DeviceLayout
+from purlin_sglang.memory.moe_layout import MoELayout
+
+CUDA_ERROR_INVALID_VALUE = 1
+built = native.build_info()
+needs_build = pytest.mark.skipif(not built.get("built"), reason=f"native module not built: {built.get('reason')}")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """load() starts from nothing (and the cached library comes back after the test)."""
+    monkeypatch.setattr(native, "_LIB", None)
+
+
+# -- the layout check ------------------------------------------------------------------------------
+@needs_build
+def test_the_library_and_python_agree():
+    lib_layout = native.native_layout()
+    assert native.layout_problems(lib_layout) == []
+    native.check_layout()
+    assert lib_layout["PURLIN_NATIVE_ABI_VERSION"] == native.ABI_VERSION
+
+
+@needs_build
+def test_every_ctypes_field_and_every_table_is_in_the_export():
+    lib_layout = native.native_layout()
+    for cname, cls in (("PurlinSnacParams", native.SnacParams), ("PurlinMoeParams", native.MoeParams)):
+        assert lib_layout[f"sizeof({cname})"] == ctypes.sizeof(cls)
+        for name, _ in cls._fields_:
+            assert lib_layout[f"offsetof({cname}, {name})"] == getattr(cls, name).offset, name
+    for name, code in native.DTYPE_CODES.items():  # one dtype table for Python and C++
+        assert lib_layout[f"PURLIN_DTYPE_{name.upper()}"] == code
+    for name, code in co.OPCODES.items():
+        assert lib_layout[f"snac.op.{name}"] == code
+    assert lib_layout["snac.error.tag"] == native.SNAC_ERROR_FIELDS.index("tag") == 8
+    assert lib_layout["PURLIN_SNAC_ERROR_WORDS"] == cuda_mod.HOST_ERROR_WORDS
+
+
+class _StaleSnacParams(ctypes.Structure):
+    """SnacParams as an ABI 6 Python side had it: no device field."""
+
+    _fields_ = [f for f in native.SnacParams._fields_ if f[0] != "device"]
+
+
+@needs_build
+def test_a_struct_mismatch_names_the_field_and_both_values(monkeypatch, fresh):
+    monkeypatch.setattr(native, "SnacParams", _StaleSnacParams)
+    with pytest.raises(PurlinUnavailableError) as info:
+        native.load()  # the layout is checked before the CUDA build and the GPU are
+    msg = str(info.value)
+    lib_layout = native.native_layout()
+    assert f"offsetof(PurlinSnacParams, device): the library has {lib_layout['offsetof(PurlinSnacParams, device)']}, " \
+           "Python has no such field" in msg
+    assert (f"sizeof(PurlinSnacParams): the library has {lib_layout['sizeof(PurlinSnacParams)']}, "
+            f"Python has {ctypes.sizeof(_StaleSnacParams)}") in msg
+    assert "PurlinMoeParams" not in msg  # the unchanged struct is not reported
+    assert "pip install" in msg  # says how to fix it
+
+
+@needs_build
+def test_a_constant_mismatch_names_it_and_both_values(monkeypatch, fresh):
+    monkeypatch.setattr(encoding, "OPCODES", dict(encoding.OPCODES, PACKET_COPY=10))  # where the check reads it
+    monkeypatch.setattr(native, "DTYPE_CODES", dict(native.DTYPE_CODES, float16=3))
+    monkeypatch.setattr(native, "SNAC_ERROR_FIELDS", native.SNAC_ERROR_FIELDS[:-1])  # the stale 8-word record
+    with pytest.raises(PurlinUnavailableError) as info:
+        native.load()
+    msg = str(info.value)
+    assert "snac.op.PACKET_COPY: the library has 9, Python has 10" in msg
+    assert "PURLIN_DTYPE_FLOAT16: the library has 2, Python has 3" in msg
+    assert "snac.error.tag: the library has 8, Python has no such field" in msg
+
+
+def test_layout_problems_reports_missing_and_extra_names():
+    mine = {"a": 1, "b": 2, "c": 3}
+    got = native.layout_problems({"a": 1, "b": 5, "d": 4, "moe.state_words": 7}, mine)
+    assert got == ["b: the library has 5, Python has 2",
+                   "c: Python has 3, the library has no such field or constant",
+                   "d: the library has 4, Python has no such field or constant"]
+    too_many = native.layout_problems({"moe.state_words": 17}, {})
+    assert too_many and too_many[0].startswith("moe.state_words: the library has 17 words")
+
+
+@needs_build
+def test_a_stale_abi_version_keeps_the_rebuild_message(monkeypatch, fresh):
+    monkeypatch.setattr(native, "ABI_VERSION", native.ABI_VERSION - 1)
+    with pytest.raises(PurlinUnavailableError, match=r"has ABI \d+, this package needs \d+ \(a stale build\); "
+                                                     r"reinstall with `pip install \.`"):
+        native.load()
+
+
+# -- the native set-device path, without a GPU -----------------------------------------------------
+@needs_build
+@pytest.mark.skipif(not built.get("cuda"), reason="the CUDA entry points need a CUDA build")
+def test_native_checks_params_before_touching_a_device():
+    lib = native._open_checked(built["path"])
+    lib.purlin_native_last_device.restype = ctypes.c_int
+    before = lib.purlin_native_last_device()
+    p = native.SnacParams()
+    p.world, p.blocks, p.arrive_slots, p.timeout_ns, p.bases[0] = 1, 1, 1, 1, 4096
+    p.device = -2  # not a device
+    assert lib.purlin_snac_execute(ctypes.byref(p), None) == CUDA_ERROR_INVALID_VALUE
+    m = native.MoeParams()
+    m.device = 99
+    assert lib.purlin_moe_dispatch(ctypes.byref(m), None) == CUDA_ERROR_INVALID_VALUE
+    assert lib.purlin_native_last_device() == before  # nothing made current
+    if torch.cuda.is_available():
+        return
+    assert before == -1  # no launch has run in this process
+    # A device the runtime cannot make current: the call fails with a CUDA error, nothing is launched.
+    code = lib.purlin_copy_atom(ctypes.c_void_p(16), ctypes.c_void_p(32), ctypes.c_size_t(16), None, 0, 3)
+    assert code not in (0, CUDA_ERROR_INVALID_VALUE)
+    assert lib.purlin_native_last_device() == -1
+
+
+# -- the Python side passes the communicator's device ----------------------------------------------
+class _RecordingLib:
+    """The NativeLibrary calls the engines make, recording the device of each."""
+
+    def __init__(self, per_sm: int = 1, sms: int = 132):
+        self.per_sm, self.sms, self.devices = per_sm, sms, []
+
+    def snac_occupancy(self, device=-1):
+        self.devices.append(("snac_occupancy", device))
+        return self.per_sm, self.sms
+
+    def moe_occupancy(self, device=-1):
+        self.devices.append(("moe_occupancy", device))
+        return self.per_sm, self.sms
+
+    def copy_atom(self, dst, src, nbytes, stream, max_blocks=0, device=-1):
+        self.devices.append(("copy_atom", device))
+        ctypes.memmove(dst, src, nbytes)
+
+    def snac_execute(self, pref, stream):
+        self.devices.append(("snac_execute", ctypes.cast(pref, ctypes.POINTER(native.SnacParams)).contents.device))
+        return 0
+
+    def error_string(self, code):
+        return f"fake error {code}"
+
+
+def _cuda_engine_on_cpu(monkeypatch, device_index: int, lib: _RecordingLib) -> cuda_mod.CudaEngine:
+    """CudaEngine.__init__ itself, with its device parts on the CPU (no GPU here)."""
+    monkeypatch.setattr(native, "load", lambda: lib)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    cpu_arena = cuda_mod._Arena
+
+    def arena(device, words):
+        a = cpu_arena(torch.device("cpu"), words)
+        a.device = device  # the engine's CUDA device: what a table upload passes to the library
+        return a
+
+    monkeypatch.setattr(cuda_mod, "_Arena", arena)
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **k: zeros(*a, **k))
+    world = 2
+    ws = types.SimpleNamespace(device_index=device_index, layout=DeviceLayout(world, 1 << 16),
+                               base_ptrs=[4096 * (r + 1) for r in range(world)])
+    return cuda_mod.CudaEngine(ws, 1, world, 5.0, ranks_on_gpu=world)
+
+
+def test_cuda_engine_passes_its_device_to_occupancy_uploads_and_launches(monkeypatch):
+    lib = _RecordingLib()
+    e = _cuda_engine_on_cpu(monkeypatch, 3, lib)
+    assert e._params.device == 3 and ("snac_occupancy", 3) in lib.devices
+    e._arena.put(np.arange(24, dtype=np.int64), lib, 0)
+    assert lib.devices[-1] == ("copy_atom", 3)
+    assert lib.snac_execute(e._pref, 0) == 0 and lib.devices[-1] == ("snac_execute", 3)
+
+
+def test_grid_blocks_refuses_ranks_that_cannot_be_coresident():
+    lib = _RecordingLib(per_sm=1, sms=4)
+    assert cuda_mod.grid_blocks(lib, 4, 4, device=2) == 1 and lib.devices == [("snac_occupancy", 2)]
+    with pytest.raises(PurlinUnavailableError, match="cannot all be resident"):
+        cuda_mod.grid_blocks(lib, 5, 5, device=2)
+    with pytest.raises(PurlinUnavailableError, match="cannot all be resident"):
+        cuda_mod.grid_blocks(_RecordingLib(per_sm=0), 1, 1)  # a kernel that cannot run at all
+
+
+def test_cuda_moe_passes_its_device():
+    lib = _RecordingLib()
+    m = CudaMoE.__new__(CudaMoE)
+    m.lib, m.device, m.world, m.rank, m.blocks = lib, torch.device("cuda", 5), 2, 0, 4
+    m.comm = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
+    m.region = types.SimpleNamespace(base_ptrs=[4096, 8192])
+    m._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64)
+    p = m._params(MoELayout(2, 8, 2, 64, 64))
+    assert p.device == 5 and m.device_index == 5
+
+
+class _AtomLib:
+    """The two ctypes entry points of the public atoms, recording the device argument."""
+
+    def __init__(self):
+        self.devices = []
+
+    def purlin_copy_atom(self, dst, src, nbytes, stream, max_blocks, device):
+        self.devices.append(device)
+        return 0
+
+    def purlin_reduce_atom(self, dst, srcs, nsrc, nbytes, dtype, op, stream, max_blocks, device):
+        self.devices.append(device)
+        return 0
+
+
+def test_public_atoms_pass_a_device(monkeypatch):
+    lib = object.__new__(native.NativeLibrary)  # no .so, no CUDA
+    lib._lib = _AtomLib()
+    monkeypatch.setattr(native, "load", lambda: lib)
+    native.copy_atom(16, 32, 16, 0, device=2)
+    native.reduce_atom(16, [32], 16, torch.float32, "sum", 0, device=3)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    native.copy_atom(16, 32, 16, 0)  # torch has no CUDA context: the library's current device
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    native.copy_atom(16, 32, 16, 0)  # torch's current device
+    native.reduce_atom(16, [32], 16, torch.float32, "sum", 0)
+    assert lib._lib.devices == [2, 3, -1, 1, 1]
+    with pytest.raises(PurlinValueError, match="device"):
+        native.copy_atom(16, 32, 16, 0, device=-1)
+
+
+# -- a bad record surfaces as an error -------------------------------------------------------------
+def _engine_with_record(code: int, kind: int, w0: int, target: int) -> cuda_mod.CudaEngine:
+    e = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
+    e.timeout_s, e._names, e.broken = 5.0, ["all_reduce"], None
+    e._err = np.zeros(native.SNAC_ERROR_WORDS, dtype=np.int64)
+    f = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}
+    e._err[[f["code"], f["op"], f["kind"], f["peer"], f["rank"], f["target"], f["seen"], f["tag"]]] = [
+        code, 3, kind, -1, 1, target, w0, 0]
+    return e
+
+
+def test_a_bad_record_is_a_broken_error_not_a_timeout():
+    w0 = co.REDUCE | (1 << co.SUB_SHIFT) | (2 << co.NSRC_SHIFT)
+    e = _engine_with_record(native.SNAC_ERROR_CODES["BAD_RECORD"], co.REDUCE, w0, 0)
+    with pytest.raises(PurlinBrokenError, match=r"all_reduce: rank 1's kernel met op #3 \(opcode 2, word 0 0x20102\) "
+                                                r"that it cannot run \(dtype code 0"):
+        e.check()
+    assert "cannot run" in e.broken
+    e = _engine_with_record(native.SNAC_ERROR_CODES["TIMEOUT"], co.NOTIFY, 5, 7)
+    with pytest.raises(PurlinTimeoutError):
+        e.check()
