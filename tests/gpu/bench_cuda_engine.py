@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import statistics
 import threading
-import time
+from pathlib import Path
 
 import torch
 
@@ -66,27 +66,14 @@ def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict) -> 
 
 
 def eager_case(world: int, nbytes: int, iters: int) -> dict:
-    barrier = threading.Barrier(world)
-
-    def fn(comm):
-        x = torch.randn(nbytes // 2, device=comm.device).to(torch.bfloat16)
-        out = torch.empty_like(x)
-        for _ in range(10):
-            comm.all_reduce(x, out=out)
-        comm.synchronize()
-        barrier.wait()
-        host = []
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            t = time.perf_counter()
-            comm.all_reduce(x, out=out)
-            host.append(time.perf_counter() - t)
-        comm.synchronize()
-        return statistics.median(host) * 1e6, (time.perf_counter() - t0) * 1e6 / iters
-
-    res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 20})
-    return {"world": world, "bytes_per_rank": nbytes, "host_us_per_call_median": max(r[0] for r in res),
-            "eager_us_per_call": max(r[1] for r in res)}
+    """Eager host time per call: tests/gpu/bench_eager_host.py's measurement (one copy of it), loaded
+    from its file (this script runs with ``python3 -P``: its folder is not on sys.path)."""
+    spec = importlib.util.spec_from_file_location("bench_eager_host", Path(__file__).with_name("bench_eager_host.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.eager(world, iters, nbytes)
+    return {"world": world, "bytes_per_rank": nbytes, "host_us_per_call_median": r["median_us"],
+            "host_us_per_call_p90": r["p90_us"], "eager_us_per_call": r["wall_us_per_call"]}
 
 
 def main() -> None:

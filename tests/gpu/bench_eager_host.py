@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import json
 import pstats
-import statistics
 import sys
 import threading
 import time
@@ -25,11 +24,12 @@ import torch
 import purlin_sglang as ps
 
 
-def eager(world: int, iters: int) -> dict:
+def eager(world: int, iters: int, nbytes: int = 8192) -> dict:
+    """Eager all_reduce of ``nbytes`` bf16 per rank (``out=``), ``iters`` timed calls after 20."""
     barrier = threading.Barrier(world)
 
     def fn(comm):
-        x = torch.randn(4096, device=comm.device).to(torch.bfloat16)
+        x = torch.randn(nbytes // 2, device=comm.device).to(torch.bfloat16)
         out = torch.empty_like(x)
         for _ in range(20):
             comm.all_reduce(x, out=out)
@@ -46,8 +46,8 @@ def eager(world: int, iters: int) -> dict:
         return host[len(host) // 2] * 1e6, host[len(host) * 9 // 10] * 1e6, (time.perf_counter() - t0) * 1e6 / iters
 
     res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 20})
-    return {"world": world, "median_us": round(max(r[0] for r in res), 2), "p90_us": round(max(r[1] for r in res), 2),
-            "wall_us_per_call": round(max(r[2] for r in res), 2)}
+    return {"world": world, "bytes_per_rank": nbytes, "median_us": round(max(r[0] for r in res), 2),
+            "p90_us": round(max(r[1] for r in res), 2), "wall_us_per_call": round(max(r[2] for r in res), 2)}
 
 
 def profile(calls: int) -> None:
