@@ -1,6 +1,7 @@
 """The client side of tools/gpu-serve.sh: wait for one SGLang server, drive it, record the run; compare runs.
 
     gpu-serve-client.py run --url URL --log SERVER_LOG --pid PID --name NAME --out RUN.json [meta ...]
+    gpu-serve-client.py ab --urls A,B --names NA,NB --logs LA,LB --pids PA,PB --out AB.json [--rounds 12 ...]
     gpu-serve-client.py compare --runs DIR --out SERVING.json
 
 ``run``: waits until the server's log says it is ready (or the process dies, or --wait passes), sends
@@ -13,6 +14,14 @@ stronger check than the tokens: with SGLang's dummy weights the greedy continuat
 a failure there is recorded, not fatal), asks ``/v1/chat/completions`` once, and copies the plugin's lines (``purlin``) from the server log.
 The prompts are random words from a seeded generator (the words of purlin's offline prompts), so every run
 with the same ``--seed`` sends the same text. No downloads; standard library only.
+
+``ab``: two servers of the same model up at once (e.g. the default backend and purlin on one GPU, each with
+its share of memory), driven in turns so that machine drift, warm-up and the order of runs fall on both
+alike: after ``--warmup`` untimed batches each, ``--rounds`` rounds of one timed batch per server, the order
+flipped every round (A B, B A, ...). Per round the throughput ratio B/A; the verdict compares the 95%
+interval of their mean (t distribution) with ``--tolerance`` (default 0.02): ``within`` if the whole interval
+lies inside 1 +- tolerance, ``differs`` if it lies wholly outside, else ``undecided``. Also whether the two
+servers gave the same greedy tokens. Writes AB.json.
 
 ``compare``: reads every RUN.json of a folder and, for each run that names ``--reference``, says whether
 its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format).
@@ -166,6 +175,77 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0 if rec["ok"] else 1
 
 
+# two-sided 95% t quantiles for n - 1 degrees of freedom (n = 2..30); beyond: the normal 1.96
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11,
+        2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05)
+
+
+def ratio_verdict(ratios: list[float], tolerance: float) -> dict:
+    """Mean of the per-round ratios, its 95% interval (t), and within / differs / undecided against 1 +- tolerance."""
+    n = len(ratios)
+    mean = statistics.fmean(ratios)
+    if n < 2:
+        return {"rounds": n, "mean_ratio": round(mean, 4), "ci95": None, "verdict": "undecided"}
+    half = (_T95[n - 2] if n - 2 < len(_T95) else 1.96) * statistics.stdev(ratios) / n ** 0.5
+    lo, hi = mean - half, mean + half
+    if 1 - tolerance <= lo and hi <= 1 + tolerance:
+        verdict = "within"
+    elif hi < 1 - tolerance or lo > 1 + tolerance:
+        verdict = "differs"
+    else:
+        verdict = "undecided"
+    return {"rounds": n, "mean_ratio": round(mean, 4), "ci95": [round(lo, 4), round(hi, 4)], "verdict": verdict}
+
+
+def cmd_ab(a: argparse.Namespace) -> int:
+    urls, names, logs = a.urls.split(","), a.names.split(","), a.logs.split(",")
+    pids = [int(x) for x in a.pids.split(",")]
+    if not (len(urls) == len(names) == len(logs) == len(pids) == 2):
+        raise SystemExit("ab: --urls, --names, --logs and --pids each take two comma-separated values")
+    rec = {"names": names, "prompts": a.prompts, "output_tokens": a.output_tokens, "seed": a.seed,
+           "rounds": a.rounds, "warmup": a.warmup, "tolerance": a.tolerance, "command": a.command, "ok": False}
+    try:
+        for name, log, pid in zip(names, logs, pids):
+            ready, secs, why = wait_ready(Path(log), pid, a.wait)
+            rec[f"startup_s_{name}"] = round(secs, 1)
+            if not ready:
+                raise RuntimeError(f"{name}: server not ready: {why}")
+        texts = prompts(a.prompts, a.seed)
+        tokens = {}
+        for _ in range(a.warmup):
+            for name, url in zip(names, urls):
+                tokens[name] = generate(url, texts, a.output_tokens, a.timeout)[0]
+        tput: dict[str, list[float]] = {n: [] for n in names}
+        order = []
+        for r in range(a.rounds):
+            turn = [0, 1] if r % 2 == 0 else [1, 0]
+            order.append("".join("AB"[i] for i in turn))
+            for i in turn:
+                ids, _, secs = generate(urls[i], texts, a.output_tokens, a.timeout)
+                tput[names[i]].append(sum(len(x) for x in ids) / secs)
+                if ids != tokens[names[i]]:
+                    raise RuntimeError(f"{names[i]}: round {r} gave other tokens than its warm-up (not greedy-stable)")
+            done = ", ".join(f"{n} {tput[n][-1]:.0f} tok/s" for n in names)
+            print(f"  round {r + 1}/{a.rounds} ({order[-1]}): {done}", flush=True)
+        ratios = [b / x for x, b in zip(tput[names[0]], tput[names[1]])]
+        rec.update({"order": order, "throughput_tok_s": {n: [round(v, 2) for v in tput[n]] for n in names},
+                    "median_tok_s": {n: round(statistics.median(tput[n]), 2) for n in names},
+                    "ratios": [round(x, 4) for x in ratios], "ratio_of": f"{names[1]}/{names[0]}",
+                    "tokens_equal": tokens[names[0]] == tokens[names[1]], **ratio_verdict(ratios, a.tolerance)})
+        rec["ok"] = True
+    except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+    rec["plugin_log"] = {n: plugin_lines(Path(log)) for n, log in zip(names, logs)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    if rec["ok"]:
+        print(f"ab: {rec['ratio_of']} = {rec['mean_ratio']} (95% interval {rec['ci95']}, {rec['rounds']} rounds): "
+              f"{rec['verdict']} {a.tolerance:.0%}; tokens equal: {rec['tokens_equal']}", flush=True)
+    else:
+        print(f"ab: failed: {rec['error']}", flush=True)
+    return 0 if rec["ok"] else 1
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     runs = {}
     for p in sorted(Path(a.runs).glob("*.json")):
@@ -224,11 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument(f"--{k}", type=t, default=d, required=d is None)
     r.add_argument("--cuda-graph", type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=True)
     r.add_argument("--nccl-free", action="store_true")
+    b = sub.add_parser("ab")
+    for k, t, d in (("urls", str, None), ("names", str, None), ("logs", str, None), ("pids", str, None),
+                    ("out", str, None), ("command", str, ""), ("prompts", int, 16), ("output-tokens", int, 128),
+                    ("seed", int, 42), ("rounds", int, 12), ("warmup", int, 2), ("tolerance", float, 0.02),
+                    ("wait", float, 300.0), ("timeout", float, 300.0)):
+        b.add_argument(f"--{k}", type=t, default=d, required=d is None)
     c = sub.add_parser("compare")
     c.add_argument("--runs", required=True)
     c.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+    return {"run": cmd_run, "ab": cmd_ab, "compare": cmd_compare}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@
 #   core     tp1-nccl, tp2-gloo-ref, tp2-purlin-eager, tp1-purlin-yaml, tp2-purlin-graph (the runs below,
 #            most important first, for a short call)
 #   tp1ab    TP=1 throughput A/B, interleaved: default, purlin (flag), default, purlin (YAML); 128 output tokens
+#   tp1pair  TP=1 throughput A/B that can resolve 2%: the default server and purlin's (YAML switch) up at once
+#            (--mem-fraction-static 0.3 each), AB_ROUNDS (12) rounds of one batch each, the order flipped every
+#            round, AB_PROMPTS (64) prompts x AB_OT (128) tokens; verdict within / differs / undecided on the 95%
+#            interval of the per-round ratio ($OUT/tp1pair-ab.json; gpu-serve-client.py ab)
 #   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
 #            CUDA graphs on; purlin's tokens checked against the default's
 #   tp2      TP=2 on ONE GPU, --purlin-nccl-free: reference = SGLang's collectives on gloo (graphs off,
@@ -143,6 +147,28 @@ if has tp1ab; then  # TP=1 throughput A/B, interleaved (the first server on a fr
   serve tp1-nccl-b 1 nccl true "" -- --mem-fraction-static 0.6
   serve tp1-purlin-yaml-b 1 purlin true tp1-nccl-b -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
   OT=$OT0 REPEATS=$R0
+fi
+if has tp1pair; then  # TP=1, default vs purlin (YAML switch), both servers up at once, driven in turns
+  if [ "$(left)" -lt 150 ]; then say "tp1pair: skipped (deadline: $(left) s left)"; else
+    if [ -n "$BUILD_PID" ]; then wait $BUILD_PID; BUILD_PID=""; fi
+    pa=$(( 33000 + RANDOM % 1000 )); pb=$(( pa + 1000 ))
+    la="$LOGS/server-tp1pair-nccl.log"; lb="$LOGS/server-tp1pair-purlin.log"
+    ca=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size 1 --port $pa "${COMMON[@]}"
+        --mem-fraction-static 0.3)
+    cb=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size 1 --port $pb "${COMMON[@]}"
+        --mem-fraction-static 0.3 --config configs/purlin-sglang.yaml)
+    say "tp1pair: A ${ca[*]}"; say "tp1pair: B ${cb[*]}"
+    setsid "${ca[@]}" > "$la" 2>&1 & pida=$!
+    setsid "${cb[@]}" > "$lb" 2>&1 & pidb=$!
+    timeout $(( $(left) + 100 )) python3 tools/gpu-serve-client.py ab --urls "http://127.0.0.1:$pa,http://127.0.0.1:$pb" \
+      --names nccl,purlin --logs "$la,$lb" --pids "$pida,$pidb" --out "$LOGS/tp1pair-ab.json" \
+      --prompts "${AB_PROMPTS:-64}" --output-tokens "${AB_OT:-128}" --rounds "${AB_ROUNDS:-12}" --wait "$WAIT" \
+      --command "STEPS=tp1pair bash tools/gpu-serve.sh: A = ${ca[*]} | B = ${cb[*]}" 2>&1 | tee -a "$OUT/summary.txt"
+    cp "$LOGS/tp1pair-ab.json" "$OUT/" 2>/dev/null
+    for pid in $pida $pidb; do kill -TERM -- -$pid 2>/dev/null; done; sleep 6
+    for pid in $pida $pidb; do kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null; done
+    free_gpu
+  fi
 fi
 if has tp1; then
   serve tp1-nccl 1 nccl true "" -- --mem-fraction-static 0.6

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -15,8 +16,9 @@ C = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(C)
 
 
-def fake_server(shift: int):
-    """Answers /generate with output ids derived from the prompt (``shift`` changes prompt 1's tokens)."""
+def fake_server(shift: int, delay: float = 0.0):
+    """Answers /generate with output ids derived from the prompt (``shift`` changes prompt 1's tokens),
+    after ``delay`` seconds."""
     class H(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):
             pass
@@ -24,6 +26,7 @@ def fake_server(shift: int):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/generate":
+                time.sleep(delay)
                 n = body["sampling_params"]["max_new_tokens"]
                 out = []
                 for i, t in enumerate(body["text"]):
@@ -97,3 +100,42 @@ def test_alone_compares_each_prompt_served_alone_with_the_batch(tmp_path):
     C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")])
     rows = {r["name"]: r for r in json.loads((tmp_path / "serving.json").read_text())["runs"]}
     assert rows["inv"]["alone_tokens_match_batch"] is True and rows["var"]["alone_differ"] == [1]
+
+
+def ab(tmp_path, delays, shifts=(0, 0), rounds=4):
+    servers = [fake_server(sh, d) for sh, d in zip(shifts, delays)]
+    logs = []
+    for i in range(2):
+        logs.append(tmp_path / f"s{i}.log")
+        logs[-1].write_text(C.READY + "\n")
+    out = tmp_path / "ab.json"
+    try:
+        rc = C.main(["ab", "--urls", ",".join(f"http://127.0.0.1:{s.server_port}" for s in servers),
+                     "--names", "nccl,purlin", "--logs", ",".join(map(str, logs)),
+                     "--pids", f"{os.getpid()},{os.getpid()}", "--out", str(out), "--prompts", "3",
+                     "--output-tokens", "5", "--rounds", str(rounds), "--warmup", "1", "--wait", "2"])
+    finally:
+        for s in servers:
+            s.shutdown()
+    return rc, json.loads(out.read_text())
+
+
+def test_ab_alternates_the_servers_and_decides_only_what_the_rounds_show(tmp_path):
+    # purlin's server twice as slow: a ratio near 0.5, far outside 2%: "differs"
+    rc, rec = ab(tmp_path, (0.02, 0.04))
+    assert rc == 0 and rec["ok"], rec
+    assert rec["order"] == ["AB", "BA", "AB", "BA"]  # the order flips every round
+    assert len(rec["ratios"]) == 4 and rec["ratio_of"] == "purlin/nccl"
+    assert 0.3 < rec["mean_ratio"] < 0.7 and rec["verdict"] == "differs", rec
+    assert rec["tokens_equal"] is True
+    rc, rec = ab(tmp_path, (0.0, 0.0), shifts=(0, 3))
+    assert rc == 0 and rec["tokens_equal"] is False
+
+
+def test_ratio_verdict_needs_the_whole_interval_inside_or_outside():
+    assert C.ratio_verdict([1.001, 0.999, 1.002, 0.998, 1.0, 1.001], 0.02)["verdict"] == "within"
+    assert C.ratio_verdict([0.90, 0.91, 0.89, 0.90], 0.02)["verdict"] == "differs"
+    # a mean inside 2% but rounds too spread to say so: undecided
+    wide = C.ratio_verdict([0.95, 1.06, 0.97, 1.04], 0.02)
+    assert wide["verdict"] == "undecided" and wide["ci95"][0] < 0.98 < 1.02 < wide["ci95"][1]
+    assert C.ratio_verdict([1.0], 0.02)["verdict"] == "undecided"  # one round: no interval
