@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .metrics import human_bytes, parse_size, size_sweep
+from .args import csv_list, size_arg, sizes_arg, worlds_arg
+from .metrics import human_bytes, size_sweep
 from .environment import environment
 from .purlin_runner import Options, run_purlin
 from .rows import error_row, make_row
@@ -35,56 +36,28 @@ def _collective_names() -> list[str]:
     return list(CATALOG)
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def _sizes_arg(text: str) -> list[int]:
-    try:
-        return [parse_size(t) for t in _csv(text)]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _worlds_arg(text: str) -> list[int]:
-    try:
-        vals = [int(t) for t in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad --world {text!r}: use ints, e.g. 8 or 2,4,8") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"bad --world {text!r}: world sizes must be >= 1")
-    return vals
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench collectives`` (defaults marked GPU/CPU depend on --device)."""
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="engine device (default: cuda if torch sees a GPU, else cpu)")
-    p.add_argument("--collectives", type=_csv, default=None, help="comma list (default: the whole catalog)")
-    p.add_argument("--world", type=_worlds_arg, default=None,
+    p.add_argument("--collectives", type=csv_list, default=None, help="comma list (default: the whole catalog)")
+    p.add_argument("--world", type=worlds_arg, default=None,
                    help="comma list of world sizes (default: 8 on GPU loopback, 4 on CPU)")
-    p.add_argument("--sizes", type=_sizes_arg, default=None,
+    p.add_argument("--sizes", type=sizes_arg, default=None,
                    help="comma list of sizes, e.g. 1K,64K,1M (overrides the sweep)")
-    p.add_argument("--min-bytes", type=_size_arg, default=None, help="sweep start (default 1K)")
-    p.add_argument("--max-bytes", type=_size_arg, default=None, help="sweep end (default 1G on GPU, 1M on CPU)")
+    p.add_argument("--min-bytes", type=size_arg, default=None, help="sweep start (default 1K)")
+    p.add_argument("--max-bytes", type=size_arg, default=None, help="sweep end (default 1G on GPU, 1M on CPU)")
     p.add_argument("--factor", type=float, default=None, help="sweep step (default 2 on GPU, 4 on CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="element type (reductions sum)")
-    p.add_argument("--modes", type=_csv, default=None,
+    p.add_argument("--modes", type=csv_list, default=None,
                    help="eager,graph (default: both on GPU, eager on CPU; graph needs CUDA)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
     p.add_argument("--graph-calls", type=int, default=10, help="calls captured in one graph (graph mode)")
     p.add_argument("--rotate", type=int, default=3,
                    help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")
-    p.add_argument("--l2-bytes", type=_size_arg, default=H200_L2, help="L2 size (default 60M, H200)")
-    p.add_argument("--baselines", type=_csv, default=["auto"],
+    p.add_argument("--l2-bytes", type=size_arg, default=H200_L2, help="L2 size (default 60M, H200)")
+    p.add_argument("--baselines", type=csv_list, default=["auto"],
                    help=f"comma list of {','.join(BASELINES)}, or auto (nccl,symm_mem,sglang on GPU; gloo on "
                         "CPU) or none")
     p.add_argument("--seed", type=int, default=0)

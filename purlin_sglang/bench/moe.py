@@ -41,7 +41,7 @@ import torch
 from .metrics import percentile
 from .moe_check import (DTYPES, bitwise_vs_reference, check, expert_scale, make_inputs, max_pair_load, run_experts,
                         wire_bytes)
-from .purlin_runner import Options, _graph_samples, _rank_stream
+from .purlin_runner import Options, graph_samples, rank_stream
 from .timing import sync, time_each
 
 GRAPH_BUDGET = 512 << 20  # bytes of call outputs one captured graph may hold per rank
@@ -168,7 +168,7 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
 
     def fn(comm):
         r, dev = comm.rank, comm.device
-        stream = _rank_stream(comm)
+        stream = rank_stream(comm)
         side = torch.cuda.Stream(dev) if graph else None
         inp = inputs[r]
         inp = type(inp)(inp.x.to(dev), inp.ids.to(dev), inp.w.to(dev))
@@ -204,7 +204,7 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
             if r == 0:
                 sys.stderr.write(f"  {dtype_name} tokens {tokens}: timing {op} ({args.mode})\n")
             if graph:
-                res[op] = _graph_samples(comm, step, stream, side, barrier, o)
+                res[op] = graph_samples(comm, step, stream, side, barrier, o)
             else:
                 for i in range(args.warmup):
                     step(i)

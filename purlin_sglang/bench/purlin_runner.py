@@ -44,7 +44,7 @@ def input_seed(seed: int, case_index: int, rank: int, buf: int) -> int:
     return (seed * 1_000_003 + case_index * 10_007 + rank * 101 + buf) % (1 << 62)
 
 
-def _rank_stream(comm) -> Any:
+def rank_stream(comm) -> Any:
     if comm.device.type != "cuda":
         return None
     s = getattr(comm, "stream", None)
@@ -62,7 +62,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
     where: dict[int, tuple[Case, str]] = {}  # rank -> the case and stage it is in (for a failure's message)
 
     def fn(comm):
-        r, dev, stream = comm.rank, comm.device, _rank_stream(comm)
+        r, dev, stream = comm.rank, comm.device, rank_stream(comm)
         # One capture stream per rank for the whole run, made here once: torch's 32 pooled streams
         # go round robin, so a stream made per case would soon be another rank's capture or replay
         # stream, and two ranks on one stream wait for each other (the timeouts and "invalid
@@ -97,7 +97,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
                 barrier.wait()
                 samples = time_each(step, opts.iters, stream)
             else:
-                samples = _graph_samples(comm, step, stream, side, barrier, opts,
+                samples = graph_samples(comm, step, stream, side, barrier, opts,
                                          lambda stage, r=r, c=case: where.__setitem__(r, (c, stage)))
             mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf})
             if r == 0:
@@ -138,7 +138,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 _CAPTURE_LOCK = threading.Lock()
 
 
-def _graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None) -> list[float]:
+def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None) -> list[float]:
     """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
 
     CUDAGraph.capture_begin/end are used rather than the ``torch.cuda.graph`` context because

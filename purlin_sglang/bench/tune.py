@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .collectives import _csv, _size_arg, _worlds_arg
+from .args import csv_list, size_arg, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .purlin_runner import Options, run_purlin
 
@@ -38,11 +38,11 @@ _DEFAULTS = {  # (worlds, min, max, factor, iters, warm-up): CPU small enough to
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="engine (default: cuda if torch sees a GPU, else cpu)")
-    p.add_argument("--worlds", type=_worlds_arg, default=None, help="comma list (default 2,4,8 GPU; 2 CPU)")
-    p.add_argument("--collectives", type=_csv, default=None,
+    p.add_argument("--worlds", type=worlds_arg, default=None, help="comma list (default 2,4,8 GPU; 2 CPU)")
+    p.add_argument("--collectives", type=csv_list, default=None,
                    help="comma list (default: every collective with more than one algorithm)")
-    p.add_argument("--min-bytes", type=_size_arg, default=None, help="per-rank input, sweep start (default 1K)")
-    p.add_argument("--max-bytes", type=_size_arg, default=None, help="sweep end (default 16M GPU, 64K CPU)")
+    p.add_argument("--min-bytes", type=size_arg, default=None, help="per-rank input, sweep start (default 1K)")
+    p.add_argument("--max-bytes", type=size_arg, default=None, help="sweep end (default 16M GPU, 64K CPU)")
     p.add_argument("--factor", type=float, default=None, help="sweep step (default 4)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
