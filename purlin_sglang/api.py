@@ -279,8 +279,7 @@ class Communicator:
         gate = self._gate if self._gate is not None and not torch.cuda.is_current_stream_capturing() else None
         try:
             if gate is not None:
-                gate.enter(self.rank, ctx.seq, ctx.op, ctx.fingerprint,
-                           f"{ctx.op}(dtype={str(ctx.dtype).replace('torch.', '')}, shape={tuple(ctx.x.shape)})")
+                gate.enter(self.rank, ctx.seq, ctx.op, ctx.fingerprint, (ctx.dtype, ctx.x.shape))
             self._engine.execute(sched, ctx)
             if gate is not None:
                 gate.launched(self.rank, ctx.seq, ctx.op)

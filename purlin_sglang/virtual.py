@@ -43,7 +43,8 @@ class VirtualWorld:
             from .engines.cuda_moe import SharedRegions
             from .memory.loopback import LoopbackWorld
 
-            self.gate = LaunchGate(world, config.timeouts.call_s)  # eager calls return once every rank launched
+            # eager calls return once every rank launched; one rank has no peer to wait for (no gate)
+            self.gate = LaunchGate(world, config.timeouts.call_s) if world > 1 else None
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
             self.workspace = LoopbackWorld(world, config.staging_bytes, index)
@@ -202,6 +203,15 @@ def rank_streams(device: torch.device, n: int) -> tuple[list, Callable[[], None]
     return streams, lambda: None
 
 
+def _describe(call: tuple) -> str:
+    """A gate entry's call as the user wrote it: ``op(dtype=..., shape=(...))`` (or the text given)."""
+    what, op = call[2], call[3]
+    if isinstance(what, tuple):
+        dtype, shape = what
+        return f"{op}(dtype={str(dtype).replace('torch.', '')}, shape={tuple(shape)})"
+    return str(what)
+
+
 class LaunchGate:
     """Two host-side rendezvous per eager call of the virtual ranks, both bounded by ``timeout_s``:
 
@@ -219,11 +229,12 @@ class LaunchGate:
         self._calls: list = [None] * world  # per rank: (seq, fingerprint, description) of its latest call
         self._cond = threading.Condition()
 
-    def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: str = "") -> None:
+    def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: Any = "") -> None:
         """Meet every rank at call ``seq``; ranks whose calls differ (``fingerprint``: the call's
-        cross-rank invariants; ``what``: how to name it) get a PurlinMismatchError naming both sides."""
+        cross-rank invariants; ``what``: how to name it, a string or (dtype, shape), formatted only
+        for the error: nothing is formatted on the hot path) get a PurlinMismatchError naming both sides."""
         with self._cond:
-            self._calls[rank] = (seq, fingerprint, what or op)
+            self._calls[rank] = (seq, fingerprint, what or op, op)
         self._meet("reach", rank, seq, op)
         with self._cond:
             mine = self._calls[rank]
@@ -231,7 +242,8 @@ class LaunchGate:
                 if theirs is not None and theirs[0] == seq and theirs[1] != mine[1]:
                     raise PurlinMismatchError(
                         f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, dtypes, "
-                        f"roots or sizes: rank {rank} called {mine[2]}, rank {peer} called {theirs[2]}; every rank "
+                        f"roots or sizes: rank {rank} called {_describe(mine)}, rank {peer} called "
+                        f"{_describe(theirs)}; every rank "
                         "must make the same calls in the same order", op=op, rank=rank, peer=peer)
 
     def launched(self, rank: int, seq: int, op: str) -> None:

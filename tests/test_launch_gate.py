@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
 from purlin_sglang.virtual import LaunchGate
@@ -90,15 +91,19 @@ def test_a_failed_rank_releases_the_others_at_once():
         assert isinstance(errors[r], PurlinBrokenError) and "rank 1 failed before it reached call #1" in str(errors[r]), errors[r]
 
 
-def test_ranks_in_different_calls_are_told_both_sides():
+@pytest.mark.parametrize("as_text", [True, False])
+def test_ranks_in_different_calls_are_told_both_sides(as_text):
+    """The call path passes (dtype, shape), formatted only for the error; text works too."""
     gate = LaunchGate(2, 10)
+    f32 = "all_reduce(dtype=float32, shape=(4,))" if as_text else (torch.float32, torch.Size([4]))
+    bf16 = "all_gather(dtype=bfloat16, shape=(2, 3))" if as_text else (torch.bfloat16, torch.Size([2, 3]))
 
     def body(r):
-        gate.enter(r, 1, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+        gate.enter(r, 1, "all_reduce", 11, f32)
         if r == 0:
-            gate.enter(r, 2, "all_reduce", 11, "all_reduce(dtype=float32, shape=(4,))")
+            gate.enter(r, 2, "all_reduce", 11, f32)
         else:
-            gate.enter(r, 2, "all_gather", 22, "all_gather(dtype=bfloat16, shape=(2, 3))")
+            gate.enter(r, 2, "all_gather", 22, bf16)
 
     errors = _run(2, body)
     for r in (0, 1):
