@@ -21,7 +21,8 @@
 #            gloo cannot be captured), then purlin with graphs off, then purlin with decode CUDA graphs on
 #            (the prefill "breakable" graph, SGLang's CUDA default, stays off there)
 #   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs off, purlin graphs on
-#   tp4p     only the two purlin TP=4 runs (the reference from an earlier call, compared afterwards)
+#   tp4p     only the two purlin TP=4 runs (the reference from an earlier call, compared afterwards;
+#            TP4_EAGER=0: only the decode-graph one, TP4_GRAPH=0: only the eager one)
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
 #            (OFFLINE_TP2=0: TP=1 only); each bounded by the time left before DEADLINE
 #   det      TP=2 purlin NCCL-free with --enable-deterministic-inference: every prompt also served alone,
@@ -189,7 +190,7 @@ for tp in 2 4; do
   fi
 done
 if has tp4p; then  # the purlin TP=4 runs alone (their gloo reference from an earlier call; compare locally)
-  serve tp4-purlin-eager 4 purlin false tp4-gloo-ref -- --mem-fraction-static 0.14 \
+  [ "${TP4_EAGER:-1}" = 1 ] && serve tp4-purlin-eager 4 purlin false tp4-gloo-ref -- --mem-fraction-static 0.14 \
     --config configs/purlin-sglang-nccl-free.yaml
   [ "${TP4_GRAPH:-1}" = 1 ] && serve tp4-purlin-graph 4 purlin true tp4-gloo-ref -- --mem-fraction-static 0.14 \
     --config configs/purlin-sglang-nccl-free.yaml --disable-prefill-cuda-graph
