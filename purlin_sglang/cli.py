@@ -158,16 +158,23 @@ def _table_in_force(config_path: str | None, gpus: list[str]) -> str:
     """The tuning table a communicator of this config would use here, or the built-in thresholds."""
     from .config import PurlinConfig
 
-    path = PurlinConfig.from_yaml(config_path).tuning.table if config_path else None
-    if path is None:
-        return "none: built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)"
-    from .snac.table import load_table
+    from .snac.table import THRESHOLDS, load_table, shipped_tables
 
-    t = load_table(path)
-    here = gpus[0] if t.engine == "cuda" and gpus else "cpu"
-    applies = "in force" if t.device == here else f"NOT applied here (this machine: {here}): built-in thresholds"
-    return (f"{path}: device {t.device} ({t.engine} engine), worlds {list(t.worlds)}, "
-            f"collectives {', '.join(t.collectives)}; {applies}")
+    path = PurlinConfig.from_yaml(config_path).tuning.table if config_path else None
+    if path == THRESHOLDS:
+        return "none: built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes; tuning.table: thresholds)"
+    paths = [path] if path is not None else shipped_tables()
+    lines = []
+    for p in paths:
+        t = load_table(p)
+        here = gpus[0] if t.engine == "cuda" and gpus else "cpu"
+        applies = (f"in force for {t.placement} communicators" if t.device == here
+                   else f"NOT applied here (this machine: {here})")
+        lines.append(f"{'shipped ' if path is None else ''}{p}: device {t.device} ({t.engine} engine), placement "
+                     f"{t.placement}, worlds {list(t.worlds)}, collectives {', '.join(t.collectives)}; {applies}")
+    if not any("in force" in x for x in lines):
+        lines.append("elsewhere: built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)")
+    return "; ".join(lines)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -31,10 +31,11 @@ class TuningPolicy(BaseModel):
       the collective has it (``packet`` only up to 64 KiB per push, the size of a receive
       window; larger calls are refused), else ``oneshot``.
     * ``table``: path of a tuning table (JSON, written by ``purlin-sglang tune``; snac/table.py).
-      Under ``auto``, where the table has an entry for this GPU model (or ``cpu``), the world size
-      and the collective, its measured band for the call's size replaces the two thresholds
-      above; elsewhere (and with no table: the default) the thresholds decide. They are the shipped
-      defaults, measured on the H200 (docs/RESULTS.md); no H200 table has been measured yet.
+      Under ``auto``, where the table applies (this GPU model or ``cpu``, the communicator's
+      placement, the world size, the collective), its measured band for the call's size replaces
+      the two thresholds above; elsewhere the thresholds decide. Unset (the default): the tables
+      shipped in ``purlin_sglang/tables/`` (today one, measured on the H200 with loopback ranks: it
+      applies to virtual worlds on an H200 only); ``"thresholds"``: the thresholds alone.
     * ``slots``: staging slots per item, used cyclically (2 = double buffering).
     * ``max_chunk_bytes``: the largest chunk; chunks are otherwise as large as the
       staging budget allows, so small payloads run in a single chunk.

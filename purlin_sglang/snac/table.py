@@ -12,6 +12,10 @@ bytes takes the first band with ``nbytes <= max_bytes`` (larger calls: the last 
 ``snac.planner.band``). The input bytes of a fixed-size collective are the same on every rank,
 so every rank reads the same band. ``measurements`` (the raw rows) is kept for the record and not read here.
 
+Tables also ship in the package (``purlin_sglang/tables/``): with ``tuning.table`` unset, a
+communicator uses the first shipped table that applies to it (device, engine, placement, world),
+else the built-in thresholds; ``tuning.table: thresholds`` turns the shipped tables off.
+
 ``placement`` says where the ranks were when it was measured: ``one_gpu`` (every rank of the world on
 one GPU: loopback virtual ranks, what ``purlin-sglang tune --device cuda`` measures today),
 ``gpu_per_rank`` (one GPU per rank, peers over NVLink) or ``any``. Crossovers measured with every
@@ -42,6 +46,17 @@ FORMAT = 1
 ALGORITHMS = ("packet", "oneshot", "twoshot")
 PLACEMENTS = ("one_gpu", "gpu_per_rank", "any")
 KEY = "tuning.table"
+THRESHOLDS = "thresholds"  # tuning.table value: the built-in thresholds only, no shipped table
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tables")
+
+
+def shipped_tables() -> list[str]:
+    """The tables that ship in the package (purlin_sglang/tables/*.json), sorted by name."""
+    try:
+        names = sorted(n for n in os.listdir(SHIPPED_DIR) if n.endswith(".json"))
+    except OSError:
+        return []
+    return [os.path.join(SHIPPED_DIR, n) for n in names]
 
 
 @dataclass(frozen=True)
@@ -149,11 +164,27 @@ def parse_table(data: Any, path: str = "<table>") -> TuningTable:
     return TuningTable(path, data["device"], data["engine"], entries, placement)
 
 
+_BUILTIN = "built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)"
+
+
 def bands_for(path: str | None, device_name: str, engine: str, world: int, placement: str = "any") -> TableInUse:
     """What a communicator of ``world`` ranks on ``device_name`` (``engine``), placed as ``placement``
-    (``one_gpu`` or ``gpu_per_rank``), uses from ``path``."""
+    (``one_gpu`` or ``gpu_per_rank``), uses: from the table at ``path``; with ``path`` None (the
+    default), from the first shipped table that applies (:func:`shipped_tables`), else the built-in
+    thresholds; with ``path`` ``"thresholds"``, the built-in thresholds."""
+    if path == THRESHOLDS:
+        return TableInUse(None, None, f"{_BUILTIN}: tuning.table is '{THRESHOLDS}'")
     if path is None:
-        return TableInUse(None, None, "built-in thresholds (tuning.packet_max_bytes, tuning.oneshot_max_bytes)")
+        for shipped in shipped_tables():
+            used = _bands_of(shipped, device_name, engine, world, placement)
+            if used.bands is not None:
+                return TableInUse(used.path, used.bands, "shipped " + used.reason)
+        return TableInUse(None, None, f"{_BUILTIN}: no shipped table for {device_name} ({engine} engine, "
+                                      f"{placement}, world {world})")
+    return _bands_of(path, device_name, engine, world, placement)
+
+
+def _bands_of(path: str, device_name: str, engine: str, world: int, placement: str) -> TableInUse:
     table = load_table(path)
     if (table.device, table.engine) != (device_name, engine):
         return TableInUse(path, None, f"table {path} is for {table.device} ({table.engine} engine), not "

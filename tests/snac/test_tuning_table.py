@@ -165,7 +165,13 @@ def test_an_unreadable_table_is_a_config_error(tmp_path):
 
 def test_info_shows_the_table_in_force(tmp_path, capsys):
     assert cli.main(["info"]) == 0
-    assert "built-in thresholds" in capsys.readouterr().out
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tuning table:")][0]
+    assert "shipped" in line and "h200-one-gpu.json" in line and "placement one_gpu" in line
+    assert "built-in thresholds" in line  # this machine is not an H200
+    cfg = tmp_path / "thresholds.yaml"
+    cfg.write_text("tuning:\n  table: thresholds\n")
+    assert cli.main(["info", "--config", str(cfg)]) == 0
+    assert "tuning.table: thresholds" in capsys.readouterr().out
     path = write(tmp_path, {"2": {"all_reduce": [[1 << 30, "twoshot"]]}, "4": {"all_reduce": [[1, "oneshot"]]}})
     cfg = tmp_path / "purlin.yaml"
     cfg.write_text(f"tuning:\n  table: {path}\n")
@@ -174,16 +180,32 @@ def test_info_shows_the_table_in_force(tmp_path, capsys):
     assert path in line and "device cpu" in line and "[2, 4]" in line and "all_reduce" in line
 
 
-def test_the_shipped_h200_table_is_valid_and_says_where_it_applies():
-    """configs/tuning/h200.json (measured on the H200 with virtual ranks) loads, and applies only there."""
-    from pathlib import Path
+def test_the_shipped_h200_table_is_the_default_where_it_was_measured_only():
+    """purlin_sglang/tables/h200-one-gpu.json (measured on the H200 with virtual ranks) ships in the
+    package: with tuning.table unset it steers virtual worlds on an H200 and nothing else;
+    tuning.table: thresholds turns it off."""
+    from purlin_sglang.snac.table import THRESHOLDS, bands_for, shipped_tables
 
-    from purlin_sglang.snac.table import bands_for
-
-    path = str(Path(__file__).resolve().parents[2] / "configs" / "tuning" / "h200.json")
+    names = [p.rsplit("/", 1)[-1] for p in shipped_tables()]
+    assert names == ["h200-one-gpu.json"]
+    path = shipped_tables()[0]
     table = load_table(path)
     assert (table.device, table.engine, table.placement) == ("NVIDIA H200", "cuda", "one_gpu")
     assert table.worlds == (2, 4, 8)
-    assert bands_for(path, "NVIDIA H200", "cuda", 8, "one_gpu").bands is not None
-    assert bands_for(path, "NVIDIA H200", "cuda", 8, "gpu_per_rank").bands is None
-    assert bands_for(path, "NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu").bands is None
+    used = bands_for(None, "NVIDIA H200", "cuda", 8, "one_gpu")
+    assert used.path == path and used.bands == table.entries[8] and used.reason.startswith("shipped ")
+    # world 8, 1 MiB all_reduce: the measured one-shot band (two-shot by the thresholds)
+    assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8,
+                            bands=used.bands["all_reduce"]) == "oneshot"
+    assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8) == "twoshot"
+    for args in (("NVIDIA H200", "cuda", 8, "gpu_per_rank"),  # a process per GPU: NVLink, not HBM
+                 ("NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu"),
+                 ("NVIDIA H200", "cuda", 3, "one_gpu"),
+                 ("cpu", "cpu", 2, "one_gpu")):
+        used = bands_for(None, *args)
+        assert used.bands is None and "built-in thresholds" in used.reason, (args, used.reason)
+    off = bands_for(THRESHOLDS, "NVIDIA H200", "cuda", 8, "one_gpu")
+    assert off.bands is None and "thresholds" in off.reason
+    # the CPU engine's default is unchanged: no shipped CPU table
+    info = run_virtual(2, lambda c: c.tuning_info())[0]
+    assert info.bands is None and "no shipped table for cpu" in info.reason
