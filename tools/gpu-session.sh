@@ -7,7 +7,7 @@
 #   engine benchmark then runs for the baseline too, in the same call (predict, change, measure).
 # DIAG=1: tests/gpu/diag_staging_timeout.py (DIAG_ARGS) before the tests.
 export PURLIN_REQUIRE_GPU=1  # a GPU test that skips for want of a GPU fails here (tests/conftest.py)
-W=${WHEELS:-.whlp}
+W=${WHEELS:-$([ -d .whlp ] && echo .whlp || echo .whl)}  # the pydantic wheels (tools/gpu-check.sh; ../shared/tools/device-wheels.sh writes .whl)
 if [ -z "$SKIP_SETUP" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl \
     || exit 1
