@@ -34,7 +34,9 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinSnacParams, host_error), PURLIN_FIELD(PurlinSnacParams, tag),
     PURLIN_FIELD(PurlinSnacParams, epoch_off), PURLIN_FIELD(PurlinSnacParams, window_off),
     PURLIN_FIELD(PurlinSnacParams, window_bytes), PURLIN_FIELD(PurlinSnacParams, packets),
-    PURLIN_FIELD(PurlinSnacParams, device),
+    PURLIN_FIELD(PurlinSnacParams, device), PURLIN_FIELD(PurlinSnacParams, desc_off),
+    PURLIN_FIELD(PurlinSnacParams, desc_seq), PURLIN_FIELD(PurlinSnacParams, desc_fp),
+    PURLIN_FIELD(PurlinSnacParams, desc_info),
     // ---- PurlinMoeParams ----
     {"sizeof(PurlinMoeParams)", (long long)sizeof(PurlinMoeParams)},
     PURLIN_FIELD(PurlinMoeParams, bases), PURLIN_FIELD(PurlinMoeParams, rank),
@@ -62,7 +64,8 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinMoeParams, device),
     // ---- native.h: limits, the dtype and reduce-op tables ----
     PURLIN_CONST(PURLIN_SNAC_MAX_RANKS), PURLIN_CONST(PURLIN_SNAC_OP_WORDS), PURLIN_CONST(PURLIN_SNAC_EPOCH_WORDS),
-    PURLIN_CONST(PURLIN_SNAC_ERROR_WORDS), PURLIN_CONST(PURLIN_REDUCE_MAX_SOURCES),
+    PURLIN_CONST(PURLIN_SNAC_ERROR_WORDS), PURLIN_CONST(PURLIN_SNAC_DESC_RING), PURLIN_CONST(PURLIN_SNAC_DESC_WORDS),
+    PURLIN_CONST(PURLIN_REDUCE_MAX_SOURCES),
     PURLIN_CONST(PURLIN_MOE_MAX_RANKS), PURLIN_CONST(PURLIN_MOE_MAX_EXPERTS), PURLIN_CONST(PURLIN_MOE_ERROR_WORDS),
     PURLIN_CONST(PURLIN_DTYPE_BFLOAT16), PURLIN_CONST(PURLIN_DTYPE_FLOAT16), PURLIN_CONST(PURLIN_DTYPE_FLOAT32),
     PURLIN_CONST(PURLIN_DTYPE_FLOAT64), PURLIN_CONST(PURLIN_DTYPE_INT32), PURLIN_CONST(PURLIN_DTYPE_INT64),
@@ -85,7 +88,10 @@ const PurlinAbiEntry kLayout[] = {
     {"snac.error.code", snac::kErrCode}, {"snac.error.op", snac::kErrOp}, {"snac.error.kind", snac::kErrKind},
     {"snac.error.peer", snac::kErrPeer}, {"snac.error.item", snac::kErrItem}, {"snac.error.rank", snac::kErrRank},
     {"snac.error.target", snac::kErrTarget}, {"snac.error.seen", snac::kErrSeen}, {"snac.error.tag", snac::kErrTag},
+    {"snac.error.peer_info_lo", snac::kErrPeerInfoLo}, {"snac.error.peer_info_hi", snac::kErrPeerInfoHi},
+    {"snac.error.my_info", snac::kErrMyInfo},
     {"snac.error_code.TIMEOUT", snac::kErrTimeout}, {"snac.error_code.BAD_RECORD", snac::kErrBadRecord},
+    {"snac.error_code.MISMATCH", snac::kErrMismatch}, {"snac.desc.after_ns", snac::kDescAfterNs},
     // ---- MoE ----
     {"moe.state_words", moe::kStateWords},
     {"moe.error_code.TIMEOUT", moe::kTimeout}, {"moe.error_code.OVERFLOW", moe::kOverflow},
@@ -95,7 +101,7 @@ const PurlinAbiEntry kLayout[] = {
 #undef PURLIN_FIELD
 #undef PURLIN_CONST
 
-static_assert(snac::kErrTag < PURLIN_SNAC_ERROR_WORDS, "the SNAC error record has room for every word");
+static_assert(snac::kErrMyInfo < PURLIN_SNAC_ERROR_WORDS, "the SNAC error record has room for every word");
 static_assert(moe::kFatal < moe::kStateWords, "kStateWords counts every MoE state word");
 
 }  // namespace

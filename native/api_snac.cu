@@ -71,7 +71,8 @@ PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream)
   const Kernel k = kernel_for(p.dtype, p.packets);
   if (k == nullptr || p.world < 1 || p.world > PURLIN_SNAC_MAX_RANKS || p.rank < 0 || p.rank >= p.world ||
       p.blocks < 1 || p.blocks > PURLIN_SNAC_EPOCH_WORDS || p.n_ops < 0 || p.n_updates < 0 || (p.n_ops > 0 && p.ops == nullptr) ||
-      p.arrive_slots < 1 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices) {
+      p.arrive_slots < 1 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices ||
+      p.desc_off < -1 || (p.desc_off >= 0 && (p.desc_off % 8 != 0 || p.desc_seq < 0))) {
     return cudaErrorInvalidValue;
   }
   for (long long r = 0; r < p.world; ++r) {

@@ -80,7 +80,8 @@ class Communicator:
         self.engine_name = engine
         self._moe = None
         self._ws = ws
-        self._engine = engines.create(engine, ws, rank, world, self.config.timeout_s, ranks_on_gpu=ranks_on_gpu)
+        self._engine = engines.create(engine, ws, rank, world, self.config.timeout_s, ranks_on_gpu=ranks_on_gpu,
+                                      call_check=self.config.device_call_check)
         self._path = CallPath(rank, world, self.device, self.config, packets=bool(self._engine.packets),
                               maxsize=self.CALL_CACHE_SIZE,
                               placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")

@@ -68,6 +68,11 @@ class PurlinConfig(BaseModel):
     * ``deterministic`` (true): reductions in a fixed rank order, bitwise identical on
       every rank and run. Every engine of this version is deterministic; ``false`` is
       reserved for faster non-deterministic paths (none yet).
+    * ``device_call_check`` (false): the CUDA engine's kernels publish a descriptor of every call
+      to their peers, and a wait that stalls for 20 us reads its peer's: ranks that made different
+      calls at the same call number then get a ``PurlinMismatchError`` naming both calls at once,
+      instead of a ``PurlinTimeoutError`` after ``timeout_s``. Off by default until it has run on
+      a GPU (docs/DESIGN.md); the CPU engine and loopback eager calls always check.
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """
@@ -79,6 +84,7 @@ class PurlinConfig(BaseModel):
     memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
     shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True
+    device_call_check: bool = False
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -77,6 +77,7 @@ class SnacParams(ctypes.Structure):
         ("arrive_off", _ll), ("arrive_slots", _ll), ("exit_off", _ll), ("error_off", _ll), ("staging_off", _ll),
         ("timeout_ns", _ll), ("host_error", ctypes.c_void_p), ("tag", _ll),
         ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll), ("packets", _ll), ("device", _ll),
+        ("desc_off", _ll), ("desc_seq", _ll), ("desc_fp", _ll), ("desc_info", _ll),
     ]
 
 
@@ -103,8 +104,12 @@ REDUCE_OP_CODES = {"sum": 1, "max": 2, "min": 3}
 REDUCE_MAX_SOURCES = 8
 # The SNAC kernels' host-mapped error record (native/include/purlin/encoding.h): word i is field i.
 SNAC_ERROR_WORDS = 16
-SNAC_ERROR_FIELDS = ("code", "op", "kind", "peer", "item", "rank", "target", "seen", "tag")
-SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2}
+SNAC_ERROR_FIELDS = ("code", "op", "kind", "peer", "item", "rank", "target", "seen", "tag", "peer_info_lo",
+                     "peer_info_hi", "my_info")
+SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2, "MISMATCH": 3}
+# Device call descriptors (native.h desc_off): slots per producer, words per slot, and how long a wait
+# spins before it reads its peer's descriptor.
+SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_DESC_AFTER_NS = 4, 3, 20000
 # The MoE kernels' record (PURLIN_MOE_ERROR_WORDS words; word 0 one of these codes).
 MOE_ERROR_WORDS = 16
 MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4}
@@ -135,6 +140,8 @@ def python_layout() -> dict[str, int]:
     out.update({
         "PURLIN_SNAC_MAX_RANKS": SNAC_MAX_RANKS, "PURLIN_SNAC_OP_WORDS": co.OP_WORDS,
         "PURLIN_SNAC_EPOCH_WORDS": wl.EPOCH_WORDS, "PURLIN_SNAC_ERROR_WORDS": SNAC_ERROR_WORDS,
+        "PURLIN_SNAC_DESC_RING": wl.DESC_RING, "PURLIN_SNAC_DESC_WORDS": wl.DESC_WORDS,
+        "snac.desc.after_ns": SNAC_DESC_AFTER_NS,
         "PURLIN_REDUCE_MAX_SOURCES": REDUCE_MAX_SOURCES, "PURLIN_MOE_MAX_RANKS": MOE_MAX_RANKS,
         "PURLIN_MOE_MAX_EXPERTS": moe_layout.MAX_EXPERTS, "PURLIN_MOE_ERROR_WORDS": MOE_ERROR_WORDS,
     })

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .config import PurlinConfig
+from .engines.base import mismatch_message
 from .errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError
 from .memory import HostWorkspace, WorkspaceLayout
 
@@ -241,10 +242,8 @@ class LaunchGate:
             for peer, theirs in enumerate(self._calls):
                 if theirs is not None and theirs[0] == seq and theirs[1] != mine[1]:
                     raise PurlinMismatchError(
-                        f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, dtypes, "
-                        f"roots or sizes: rank {rank} called {_describe(mine)}, rank {peer} called "
-                        f"{_describe(theirs)}; every rank "
-                        "must make the same calls in the same order", op=op, rank=rank, peer=peer)
+                        mismatch_message(op, rank, peer, seq, _describe(mine), _describe(theirs)),
+                        op=op, rank=rank, peer=peer)
 
     def launched(self, rank: int, seq: int, op: str) -> None:
         self._meet("launch", rank, seq, op)

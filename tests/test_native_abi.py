@@ -155,14 +155,17 @@ class _RecordingLib:
         ctypes.memmove(dst, src, nbytes)
 
     def snac_execute(self, pref, stream):
-        self.devices.append(("snac_execute", ctypes.cast(pref, ctypes.POINTER(native.SnacParams)).contents.device))
+        p = ctypes.cast(pref, ctypes.POINTER(native.SnacParams)).contents
+        self.devices.append(("snac_execute", p.device))
+        self.descs = getattr(self, "descs", []) + [(p.desc_off, p.desc_seq, p.desc_fp, p.desc_info)]
         return 0
 
     def error_string(self, code):
         return f"fake error {code}"
 
 
-def _cuda_engine_on_cpu(monkeypatch, device_index: int, lib: _RecordingLib) -> cuda_mod.CudaEngine:
+def _cuda_engine_on_cpu(monkeypatch, device_index: int, lib: _RecordingLib,
+                        call_check: bool = False) -> cuda_mod.CudaEngine:
     """CudaEngine.__init__ itself, with its device parts on the CPU (no GPU here)."""
     monkeypatch.setattr(native, "load", lambda: lib)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -179,7 +182,7 @@ def _cuda_engine_on_cpu(monkeypatch, device_index: int, lib: _RecordingLib) -> c
     world = 2
     ws = types.SimpleNamespace(device_index=device_index, layout=DeviceLayout(world, 1 << 16),
                                base_ptrs=[4096 * (r + 1) for r in range(world)])
-    return cuda_mod.CudaEngine(ws, 1, world, 5.0, ranks_on_gpu=world)
+    return cuda_mod.CudaEngine(ws, 1, world, 5.0, ranks_on_gpu=world, call_check=call_check)
 
 
 def test_cuda_engine_passes_its_device_to_occupancy_uploads_and_launches(monkeypatch):
@@ -263,4 +266,92 @@ def test_a_bad_record_is_a_broken_error_not_a_timeout():
     assert "cannot run" in e.broken
     e = _engine_with_record(native.SNAC_ERROR_CODES["TIMEOUT"], co.NOTIFY, 5, 7)
     with pytest.raises(PurlinTimeoutError):
+        e.check()
+
+
+# -- device call descriptors (config device_call_check) ---------------------------------------------------------
+def _schedule(spec, world: int, rank: int, nbytes: int, root=None):
+    from purlin_sglang.snac import Sizes, lower, make_plan
+
+    plan = make_plan(spec, world, rank, root=root, nbytes=nbytes, staging_bytes=1 << 16, algorithm="oneshot")
+    return lower(plan, Sizes((nbytes,), (nbytes * (world if spec.name == "all_gather" else 1),)))
+
+
+@pytest.mark.parametrize("call_check", [False, True])
+def test_cuda_engine_publishes_call_descriptors_only_when_asked(monkeypatch, call_check):
+    from purlin_sglang.collectives.catalog import ALL_GATHER, ALL_REDUCE
+    from purlin_sglang.engines.base import CallContext, call_info, fold32
+
+    lib = _RecordingLib()
+    monkeypatch.setattr(cuda_mod, "_current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: 0))
+    e = _cuda_engine_on_cpu(monkeypatch, 0, lib, call_check=call_check)
+    layout = DeviceLayout(2, 1 << 16)
+    assert e._params.desc_off == (layout.desc_off if call_check else -1)
+    rng = np.random.default_rng()
+    calls = []
+    for seq in range(1, 6):
+        spec, dtype = (ALL_REDUCE, torch.bfloat16) if rng.integers(2) else (ALL_GATHER, torch.float32)
+        n = int(rng.integers(1, 64)) * 4
+        x = torch.empty(n // dtype.itemsize, dtype=dtype)
+        y = torch.empty(n * (2 if spec is ALL_GATHER else 1) // dtype.itemsize, dtype=dtype)
+        sched = _schedule(spec, 2, 1, n)
+        fp = int(rng.integers(1, 1 << 62))
+        e.execute(sched, CallContext(spec.name, seq, fp, dtype, x, y))
+        calls.append((seq, fold32(fp), call_info(spec.name, dtype, n, sched.plan)))
+    got = lib.descs
+    assert [g[0] for g in got] == [layout.desc_off if call_check else -1] * 5
+    if call_check:
+        assert [g[1:] for g in got] == calls
+
+
+def test_device_descriptors_live_in_the_signal_area_and_do_not_overlap():
+    for world in (1, 2, 3, 8, 64):
+        lay = DeviceLayout(world, 1 << 20)
+        end_of_epochs = lay.epoch_off + 16 * 8
+        assert lay.desc_off >= end_of_epochs and lay.desc_off % 128 == 0
+        slots = {lay.desc(p, s) for p in range(world) for s in range(native.SNAC_DESC_RING)}
+        assert len(slots) == world * native.SNAC_DESC_RING
+        assert min(slots) == lay.desc_off
+        assert max(slots) + native.SNAC_DESC_WORDS * 8 == lay.signal_bytes <= lay.staging_off
+        assert lay.desc(world - 1, 7) == lay.desc(world - 1, 3)  # slot = seq % ring
+
+
+def _engine_with_mismatch(mine_seq: int, mine_fp: int, theirs_fp: int, my_info: int, peer_info: int | None):
+    e = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
+    e.timeout_s, e._names, e.broken = 5.0, ["all_reduce"], None
+    e._err = np.zeros(native.SNAC_ERROR_WORDS, dtype=np.int64)
+    f = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}
+
+    def word(payload):
+        v = (mine_seq << 32) | (payload & 0xFFFFFFFF)
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    e._err[f["op"]], e._err[f["kind"]], e._err[f["peer"]], e._err[f["rank"]] = 4, co.NOTIFY, 0, 1
+    e._err[f["target"]], e._err[f["seen"]], e._err[f["my_info"]] = word(mine_fp), word(theirs_fp), my_info
+    if peer_info is not None:
+        e._err[f["peer_info_lo"]], e._err[f["peer_info_hi"]] = word(peer_info), word(peer_info >> 32)
+    e._err[f["code"]] = native.SNAC_ERROR_CODES["MISMATCH"]
+    return e
+
+
+def test_a_device_mismatch_record_is_a_mismatch_error_naming_both_calls():
+    from purlin_sglang.collectives.catalog import ALL_GATHER, ALL_REDUCE
+    from purlin_sglang.engines.base import call_info
+    from purlin_sglang.errors import PurlinMismatchError
+
+    mine = call_info("all_reduce", torch.bfloat16, 8192, _schedule(ALL_REDUCE, 2, 1, 8192).plan)
+    theirs = call_info("all_gather", torch.float32, 4096, _schedule(ALL_GATHER, 2, 0, 4096).plan)
+    e = _engine_with_mismatch(7, 0x1234, 0xBEEF, mine, theirs)
+    with pytest.raises(PurlinMismatchError) as info:
+        e.check()
+    msg = str(info.value)
+    assert info.value.rank == 1 and info.value.peer == 0
+    assert msg.startswith("all_reduce: rank 1 and rank 0 entered call #7 with different collectives"), msg
+    assert ("rank 1 called all_reduce(dtype=bfloat16, 8192 bytes in), rank 0 called all_gather(dtype=float32, "
+            "4096 bytes in)") in msg, msg
+    assert "communicator is now broken" in msg and e.broken == msg
+    # the peer's description words were already overwritten: its fingerprint is named instead
+    e = _engine_with_mismatch(9, 0x1234, 0xBEEF, mine, None)
+    with pytest.raises(PurlinMismatchError, match=r"call #9 .*rank 0 called another call \(fingerprint 0x0000beef"):
         e.check()

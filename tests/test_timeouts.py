@@ -142,6 +142,24 @@ def test_mismatch_message_names_ranks_and_call():
     e = next(e for e in errs if isinstance(e, PurlinMismatchError))
     assert e.peer == 1 - e.rank and e.op in ("all_reduce", "all_gather")
     assert f"rank {e.rank} and rank {e.peer} entered call #1 with different collectives" in str(e), e
+    # both sides' calls, each as its rank made it
+    assert "rank 0 called all_reduce(dtype=float32, 16 bytes in)" in str(e), e
+    assert "rank 1 called all_gather(dtype=float32, 16 bytes in)" in str(e), e
+
+
+@pytest.mark.parametrize("a,b,mine,theirs", [
+    ("all_reduce", "all_reduce-bf16", "all_reduce(dtype=float32, 16 bytes in)", "all_reduce(dtype=bfloat16, 8 bytes in)"),
+    ("all_reduce", "all_reduce-6", "all_reduce(dtype=float32, 16 bytes in)", "all_reduce(dtype=float32, 24 bytes in)"),
+    ("all_reduce", "all_reduce-max", "all_reduce(dtype=float32, 16 bytes in)",
+     "all_reduce(dtype=float32, op=max, 16 bytes in)"),
+    ("broadcast-root0", "broadcast-root1", "broadcast(dtype=float32, root=0, 16 bytes in)",
+     "broadcast(dtype=float32, root=1, 16 bytes in)"),
+], ids=lambda v: v if len(v) < 20 else "")
+def test_mismatch_message_describes_each_side(a, b, mine, theirs):
+    errs = disagree(lambda comm: CALLS[a if comm.rank == 0 else b](comm))
+    e = next(e for e in errs if isinstance(e, PurlinMismatchError))
+    calls = {0: mine, 1: theirs}
+    assert f"rank {e.rank} called {calls[e.rank]}, rank {e.peer} called {calls[e.peer]}" in str(e), e
 
 
 @pytest.mark.parametrize("late", [None, 0, 1])

@@ -130,7 +130,12 @@ __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, lo
     }
     if ((n & 63u) == 0) {
       if (ld_relaxed_sys(err) != 0) return false;
-      if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
+      const unsigned long long dt = globaltimer() - t0;
+      if (dt > static_cast<unsigned long long>(kDescAfterNs) && kind != kBarrierKind &&
+          desc_mismatch(p, op, kind, peer, item)) {
+        return false;
+      }
+      if (dt > static_cast<unsigned long long>(p.timeout_ns)) {
         record_timeout(p, op, kind, peer, item, target, v);
         return false;
       }
@@ -210,6 +215,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   __shared__ int s_last;
   char* me = own(p);
   if (__syncthreads_or(lead && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) return;
+  push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;
     const long long w0 = o[0];

@@ -106,6 +106,55 @@ __device__ inline void record_bad_record(const PurlinSnacParams& p, long long in
   record_error(p, kErrBadRecord, index, int(w0 & 0xff), -1, 0, p.dtype, w0);
 }
 
+// ---- call descriptors (native.h: desc_off) ----------------------------------------------------------------------
+__device__ __forceinline__ long long desc_word(long long seq, long long payload) {
+  return static_cast<long long>((static_cast<unsigned long long>(seq) << 32) | (static_cast<unsigned long long>(payload) & 0xffffffffull));
+}
+__device__ __forceinline__ long long* desc_slot(char* base, const PurlinSnacParams& p, long long producer) {
+  return reinterpret_cast<long long*>(base + p.desc_off) +
+         (producer * PURLIN_SNAC_DESC_RING + p.desc_seq % PURLIN_SNAC_DESC_RING) * PURLIN_SNAC_DESC_WORDS;
+}
+__device__ __forceinline__ bool desc_on(const PurlinSnacParams& p) { return p.desc_off >= 0; }
+
+// Block 0: thread t < world (t != rank) stores this call's descriptor into peer t's row for me.
+// Plain relaxed stores, no fence: a peer reads it only while its own wait for me is stalled.
+__device__ __forceinline__ void push_descriptor(const PurlinSnacParams& p) {
+  if (!desc_on(p) || blockIdx.x != 0 || threadIdx.x >= p.world || threadIdx.x == p.rank) return;
+  long long* slot = desc_slot(static_cast<char*>(p.bases[threadIdx.x]), p, p.rank);
+  st_volatile(slot + 1, desc_word(p.desc_seq, p.desc_info));
+  st_volatile(slot + 2, desc_word(p.desc_seq, p.desc_info >> 32));
+  st_volatile(slot + 0, desc_word(p.desc_seq, p.desc_fp));
+}
+
+// One thread whose wait on `peer` has stalled: true (and the mismatch recorded) when the peer's
+// descriptor for this call number is there and its fingerprint differs from mine. A slot holding
+// another call number (the peer is behind, or ahead by a whole ring) says nothing.
+__device__ inline bool desc_mismatch(const PurlinSnacParams& p, long long op, int kind, long long peer, long long item) {
+  if (!desc_on(p) || peer < 0 || peer >= p.world || peer == p.rank) return false;
+  const long long* slot = desc_slot(own(p), p, peer);
+  const long long mine = desc_word(p.desc_seq, p.desc_fp);
+  const long long theirs = ld_relaxed_sys(slot);
+  if ((theirs >> 32) != (mine >> 32) || theirs == mine) return false;
+  const long long lo = ld_relaxed_sys(slot + 1), hi = ld_relaxed_sys(slot + 2);
+  auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
+  if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return true;
+  long long* h = p.host_error;
+  st_volatile(h + kErrOp, op);
+  st_volatile(h + kErrKind, kind);
+  st_volatile(h + kErrPeer, peer);
+  st_volatile(h + kErrItem, item);
+  st_volatile(h + kErrRank, p.rank);
+  st_volatile(h + kErrTarget, mine);
+  st_volatile(h + kErrSeen, theirs);
+  st_volatile(h + kErrTag, p.tag);
+  st_volatile(h + kErrPeerInfoLo, (lo >> 32) == (mine >> 32) ? lo : 0);
+  st_volatile(h + kErrPeerInfoHi, (hi >> 32) == (mine >> 32) ? hi : 0);
+  st_volatile(h + kErrMyInfo, p.desc_info);
+  __threadfence_system();
+  st_volatile(h + kErrCode, kErrMismatch);
+  return true;
+}
+
 // A REDUCE / PACKET_REDUCE word 0 names a known operator and 1 to 8 sources.
 __device__ __forceinline__ bool reduce_record_ok(long long w0) {
   const int op = int((w0 >> kSubShift) & 0xff), k = int((w0 >> kNsrcShift) & 0xff);

@@ -117,17 +117,22 @@ __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const lo
     }
     if (pending != 0u && (n & 255u) == 0) {
       if (ld_relaxed_sys(err) != 0) return false;
-      if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
-        int miss = 0;  // the first source still missing (constant indices keep v[] in registers)
-        uint32_t seen = 0;
+      const unsigned long long dt = globaltimer() - t0;
+      int miss = 0;  // the first source still missing (constant indices keep v[] in registers)
+      uint32_t seen = 0;
 #pragma unroll
-        for (int s = 7; s >= 0; --s) {
-          if (pending & (1u << s)) {
-            miss = s;
-            seen = v[s].y;
-          }
+      for (int s = 7; s >= 0; --s) {
+        if (pending & (1u << s)) {
+          miss = s;
+          seen = v[s].y;
         }
-        record_timeout(p, index, kPacketKind, window_producer(o[3 + miss]), 0, e, seen);
+      }
+      const long long peer = window_producer(o[3 + miss]);
+      if (dt > static_cast<unsigned long long>(kDescAfterNs) && desc_mismatch(p, index, kPacketKind, peer, 0)) {
+        return false;
+      }
+      if (dt > static_cast<unsigned long long>(p.timeout_ns)) {
+        record_timeout(p, index, kPacketKind, peer, 0, e, seen);
         return false;
       }
     }
@@ -237,6 +242,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
     return;
   }
   const uint32_t epoch = uint32_t(before + 1);
+  push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;
     switch (int(o[0] & 0xff)) {

@@ -96,14 +96,17 @@ def _resolve(target: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
-def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int) -> Any:
+def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int,
+           call_check: bool = False) -> Any:
     """Build the engine registered as ``name`` over this rank's workspace ``ws`` (an :class:`~.base.Engine`).
 
     ``ranks_on_gpu``: how many ranks' grids must be co-resident on this rank's GPU at once (the
     world for virtual ranks of one process, 1 for a rank that is a process of its own); host
-    engines ignore it. Local: builds nothing on other ranks.
+    engines ignore it. ``call_check``: device engines publish call descriptors and check their
+    peers' in stalled waits (config ``device_call_check``); host engines always check. Local:
+    builds nothing on other ranks.
     """
-    return _resolve(_info(name).engine)(ws, rank, world, timeout_s, ranks_on_gpu=ranks_on_gpu)
+    return _resolve(_info(name).engine)(ws, rank, world, timeout_s, ranks_on_gpu=ranks_on_gpu, call_check=call_check)
 
 
 def create_moe(name: str, comm: Any) -> Any:

@@ -25,6 +25,65 @@ def fingerprint(key: tuple) -> int:
     return (zlib.crc32(data) << 31) ^ zlib.adler32(data)
 
 
+# ---- call descriptions: what a peer's descriptor says of its call, for mismatch messages -------------------
+# A 64-bit code (the CPU engine's descriptor ring, the CUDA engine's device descriptors): bits 0-7 the
+# collective (1 + its index in DESC_OPS, 0: a naming of the user's), 8-15 the dtype (1 + its index in
+# DESC_DTYPES, 0: another), 16-23 the reduction (1 + its index in DESC_REDUCE, 0: a copy), 24-31
+# root + 1 (0: no root), 32-63 this rank's input bytes (capped at 2^32 - 1). The same in every
+# process of one version.
+DESC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
+            "all_to_all_v", "broadcast")
+DESC_DTYPES = tuple(d for d in (
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128, getattr(torch, "float8_e4m3fn", None),
+    getattr(torch, "float8_e5m2", None)) if d is not None)
+DESC_REDUCE = ("sum", "max", "min")
+_DESC_OP_CODE = {n: i + 1 for i, n in enumerate(DESC_OPS)}
+_DESC_DTYPE_CODE = {d: i + 1 for i, d in enumerate(DESC_DTYPES)}
+_DESC_REDUCE_CODE = {n: i + 1 for i, n in enumerate(DESC_REDUCE)}
+
+
+def call_info(op: str, dtype: torch.dtype, nbytes: int, plan: Any = None) -> int:
+    """The description code of one call (see DESC_OPS); ``plan`` (a SNAC Plan) gives the root and the reduction."""
+    root = getattr(plan, "root", None)
+    reduce = getattr(getattr(getattr(plan, "spec", None), "consume", None), "reduce", None)
+    red = 0 if reduce is None else _DESC_REDUCE_CODE.get(getattr(reduce, "value", reduce), 0)
+    r = 0 if root is None else min(root + 1, 0xFF)
+    return (_DESC_OP_CODE.get(op, 0) | _DESC_DTYPE_CODE.get(dtype, 0) << 8 | red << 16 | r << 24
+            | min(int(nbytes), 0xFFFFFFFF) << 32)
+
+
+def describe_info(info: int) -> str:
+    """A call's description code as the user would write the call: ``all_reduce(dtype=bfloat16,
+    op=max, 8192 bytes in)``, ``broadcast(dtype=float32, root=0, 16 bytes in)``; fields the code
+    does not know are left out."""
+    info = int(info) & ((1 << 64) - 1)
+    o, d, red, r, n = info & 0xFF, (info >> 8) & 0xFF, (info >> 16) & 0xFF, (info >> 24) & 0xFF, info >> 32
+    name = DESC_OPS[o - 1] if 0 < o <= len(DESC_OPS) else "a collective of the user's naming"
+    parts = []
+    if 0 < d <= len(DESC_DTYPES):
+        parts.append(f"dtype={str(DESC_DTYPES[d - 1]).replace('torch.', '')}")
+    if 0 < red <= len(DESC_REDUCE) and DESC_REDUCE[red - 1] != "sum":
+        parts.append(f"op={DESC_REDUCE[red - 1]}")
+    if r:
+        parts.append(f"root={r - 1}" if r < 0xFF else "root>=254")
+    parts.append(f"{n}{'+' if n == 0xFFFFFFFF else ''} bytes in")
+    return f"{name}({', '.join(parts)})"
+
+
+def mismatch_message(op: str, rank: int, peer: int, seq: int, mine: str, theirs: str) -> str:
+    """The one message of two ranks that made different calls at call number ``seq`` (every engine
+    and the loopback launch gate): both sides, as described by :func:`describe_info` or the gate."""
+    return (f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, dtypes, roots or "
+            f"sizes: rank {rank} called {mine}, rank {peer} called {theirs}; every rank must make the same calls "
+            "in the same order")
+
+
+def fold32(fp: int) -> int:
+    """A 63-bit fingerprint folded to the 32 bits a device descriptor word carries."""
+    return (fp ^ (fp >> 32)) & 0xFFFFFFFF
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a flat uint8 view (an empty one for an empty tensor)."""
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)

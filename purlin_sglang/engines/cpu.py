@@ -21,7 +21,7 @@ from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 from . import cpu_moe
-from .base import CallContext
+from .base import CallContext, call_info, describe_info, mismatch_message
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -55,7 +55,7 @@ class CpuEngine:
     packets = False  # runs one-shot where the CUDA engine runs packets: the same bits
 
     def __init__(self, ws: HostWorkspace, rank: int, world: int, timeout_s: float, *,
-                 ranks_on_gpu: int | None = None):
+                 ranks_on_gpu: int | None = None, call_check: bool = True):
         self.ws, self.rank, self.world = ws, rank, world
         self.timeout_s = timeouts(timeout_s).call_s  # the bound of every wait for a peer
         lay = ws.layout
@@ -85,7 +85,8 @@ class CpuEngine:
         w, lay = self.ws.words, self.layout
         off = lay.desc_offset(self.rank, ctx.seq % RING)
         w[off + 1] = ctx.fingerprint
-        w[off + 2: off + 2 + self.world] = sched.send_bytes
+        w[off + 2] = call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
+        w[off + 3: off + 3 + self.world] = sched.send_bytes
         w[off] = ctx.seq  # last: publishes the entry
 
     def _peer_seq(self, peer: int) -> int:
@@ -98,14 +99,14 @@ class CpuEngine:
         off = lay.desc_offset(peer, ctx.seq % RING)
         if int(w[off]) != ctx.seq:
             return False
-        fp = int(w[off + 1])
-        sent_to_me = int(w[off + 2 + self.rank])
+        fp, info = int(w[off + 1]), int(w[off + 2])
+        sent_to_me = int(w[off + 3 + self.rank])
         if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
             return True
         if fp != ctx.fingerprint:
+            mine = call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
             self._fail(PurlinMismatchError(
-                f"{ctx.op}: rank {self.rank} and rank {peer} entered call #{ctx.seq} with different "
-                "collectives, dtypes, roots or sizes; every rank must make the same calls in the same order",
+                mismatch_message(ctx.op, self.rank, peer, ctx.seq, describe_info(mine), describe_info(info)),
                 op=ctx.op, rank=self.rank, peer=peer))
         if sent_to_me != sched.recv_bytes[peer]:
             self._fail(PurlinMismatchError(split_mismatch(ctx, peer, self.rank, sent_to_me, sched.recv_bytes[peer]),

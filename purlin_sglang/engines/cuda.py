@@ -21,9 +21,12 @@ import torch
 
 from .. import native
 from ..config import timeouts
-from ..errors import PurlinBrokenError, PurlinCudaError, PurlinTimeoutError, PurlinUnavailableError
+from ..errors import (
+    PurlinBrokenError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
+)
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule
+from .base import call_info, describe_info, fold32, mismatch_message
 from .cuda_ops import KIND_NAMES, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
@@ -91,7 +94,8 @@ class CudaEngine:
     name = "cuda"
     packets = True  # runs the packet protocol (snac/packet.cuh): the planner may choose "packet"
 
-    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None):
+    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
+                 call_check: bool = False):
         if world > native.SNAC_MAX_RANKS:
             raise PurlinUnavailableError(f"cuda engine: at most {native.SNAC_MAX_RANKS} ranks, got {world}")
         self.lib = native.load()
@@ -115,6 +119,10 @@ class CudaEngine:
         p.timeout_ns = timeouts(timeout_s).kernel_ns
         p.host_error = self._host_error.data_ptr()
         p.device = ws.device_index  # made current by the library before every launch
+        # Call descriptors (config device_call_check): published by every kernel, read in stalled waits.
+        self.call_check = bool(call_check)
+        p.desc_off = dl.desc_off if self.call_check else -1
+        self._descs: dict[tuple, tuple[int, int]] = {}  # (schedule tag, dtype) -> (folded fingerprint, info)
         self._params = p
         self._pref = ctypes.byref(p)
         self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
@@ -161,6 +169,12 @@ class CudaEngine:
         p.ops, p.n_ops, p.n_updates, p.tag, p.packets = e[5], e[2], e[3], e[4], e[7]
         p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
         p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
+        if self.call_check:
+            d = self._descs.get((e[4], ctx.dtype))
+            if d is None:
+                d = self._descs[(e[4], ctx.dtype)] = (
+                    fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan))
+            p.desc_seq, p.desc_fp, p.desc_info = ctx.seq, d[0], d[1]
         stream = _current_raw_stream(self._index)
         if stream != self._stream_handle:  # a stream not launched on before: keep it for synchronize()
             self._stream, self._stream_handle = torch.cuda.current_stream(self.device), stream
@@ -184,6 +198,10 @@ class CudaEngine:
     def _raise_recorded(self) -> None:
         code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
+        if code == native.SNAC_ERROR_CODES["MISMATCH"]:
+            msg = self._mismatch_message(name, rank, peer, target, seen)
+            self.broken = self.broken or msg
+            raise PurlinMismatchError(msg, op=name, rank=rank, peer=peer)
         if code == native.SNAC_ERROR_CODES["BAD_RECORD"]:
             msg = (f"{name}: rank {rank}'s kernel met op #{index} (opcode {kind}, word 0 {seen:#x}) that it cannot "
                    f"run (dtype code {target}: 0 is the copy-only kernel); the op table and the native library "
@@ -203,6 +221,18 @@ class CudaEngine:
         self.broken = self.broken or msg
         missing = [peer] if kname != "barrier" else []
         raise PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
+
+    def _mismatch_message(self, name: str, rank: int, peer: int, mine: int, theirs: int) -> str:
+        """A MISMATCH record: my descriptor word 0 in ``mine``, the peer's in ``theirs`` (native.h desc_off)."""
+        f = native.SNAC_ERROR_FIELDS
+        lo, hi, my_info = (int(self._err[f.index(k)]) for k in ("peer_info_lo", "peer_info_hi", "my_info"))
+        seq = (mine >> 32) & 0xFFFFFFFF
+        if lo and hi:  # the peer's description words of this same call
+            peer_call = describe_info((lo & 0xFFFFFFFF) | (hi & 0xFFFFFFFF) << 32)
+        else:
+            peer_call = f"another call (fingerprint {theirs & 0xFFFFFFFF:#010x}, mine {mine & 0xFFFFFFFF:#010x})"
+        return (mismatch_message(name, rank, peer, seq, describe_info(my_info), peer_call)
+                + f" (seen by rank {rank}'s kernel while it waited for rank {peer}); the communicator is now broken")
 
     @property
     def table_bytes(self) -> int:

@@ -7,7 +7,8 @@ layout; a rank's signal words are written by one side only (see snac.lower).
 Per rank ``r`` (int64 words unless said otherwise):
 
 * ``desc[r][slot]``: the call descriptor ring, ``RING`` entries of
-  ``[seq, fingerprint, send_bytes[0..world-1]]``; ``seq`` is written last.
+  ``[seq, fingerprint, info, send_bytes[0..world-1]]``; ``seq`` is written last; ``info`` is the
+  call's description code (engines/base.py ``call_info``), for mismatch messages.
 * ``state[r]``: 0 healthy, 1 broken (a peer can stop waiting for a broken rank).
 * ``notify[p][c][i]``: chunks producer ``p`` staged in item ``i`` for consumer ``c``.
 * ``ack[p][c][i]``: chunks consumer ``c`` drained from producer ``p``'s item ``i``.
@@ -24,7 +25,7 @@ RING = 4
 WORD = 8
 PAGE = 4096
 MAGIC = 0x50524C4E  # "PRLN"
-VERSION = 1
+VERSION = 2  # 2: descriptors carry the call's description code
 
 STATE_OK = 0
 STATE_BROKEN = 1
@@ -46,7 +47,7 @@ class WorkspaceLayout:
 
     @property
     def desc_words(self) -> int:
-        return 2 + self.world
+        return 3 + self.world
 
     # word offsets (in int64 words from the start of the signal area)
     @property
@@ -99,6 +100,7 @@ PACKET_MAX_BYTES = PACKET_WINDOW_BYTES  # payload per producer of one packet cal
 PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
 EPOCH_WORDS = 16  # per-block packet epochs: the CUDA engine's grid has at most this many blocks per rank
+DESC_RING, DESC_WORDS = 4, 3  # device call descriptors: slots per producer, int64 words per slot (native.h)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class DeviceLayout:
     * ``exit``: the kernel's exit arrival counter; ``error``: non-zero once a wait timed out.
     * ``epoch[EPOCH_WORDS]``: per block of the kernel's grid, the count of packet calls it ran (latency
       regime), bumped by that block at its exit; every block runs every call, so the words agree.
+    * ``desc[p][DESC_RING][DESC_WORDS]``: call descriptors, written by producer ``p`` at the start of
+      each call (slot ``seq % DESC_RING``): ``seq << 32 | payload`` words carrying the call's
+      folded fingerprint and description code; read by ``r`` only when a wait for ``p`` stalls.
     * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
     * ``window[2][world]``: packet receive windows (written by the producers, pushed), one per
       epoch parity and producer, ``window_bytes`` each: ``PACKET_MAX_BYTES`` of payload as packets.
@@ -180,8 +185,16 @@ class DeviceLayout:
         return self.error_off + 128
 
     @property
+    def desc_off(self) -> int:
+        return _align(self.epoch_off + EPOCH_WORDS * WORD, 128)
+
+    def desc(self, producer: int, seq: int) -> int:
+        """Byte offset of ``producer``'s descriptor slot for call number ``seq``."""
+        return self.desc_off + (producer * DESC_RING + seq % DESC_RING) * DESC_WORDS * WORD
+
+    @property
     def signal_bytes(self) -> int:
-        return self.epoch_off + EPOCH_WORDS * WORD
+        return self.desc_off + self.world * DESC_RING * DESC_WORDS * WORD
 
     @property
     def staging_off(self) -> int:

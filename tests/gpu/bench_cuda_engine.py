@@ -97,6 +97,13 @@ def main() -> None:
                 continue
             cfg = {**small, "tuning": {"algorithm": alg}}
             emit({"case": f"graph {kib} KiB bf16 {alg}", **graph_case(a.world, kib << 10, 50, 20, cfg)})
+    # the device call check's cost (config device_call_check: a descriptor push per kernel; predicted
+    # within run-to-run noise, the stores are fire-and-forget and the check runs only in stalled waits)
+    for kib, alg in ((8, "packet"), (64, "oneshot")):
+        for check in (False, True):
+            cfg = {**small, "tuning": {"algorithm": alg}, "device_call_check": check}
+            emit({"case": f"graph {kib} KiB bf16 {alg}, device_call_check {'on' if check else 'off'}",
+                  **graph_case(a.world, kib << 10, 50, 20, cfg)})
     emit({"case": "graph 64 MiB bf16", **graph_case(a.world, 64 << 20, 2, 5, {"staging_bytes": 64 << 20})})
     emit({"case": "eager 8 KiB bf16, 1 rank", **eager_case(1, 8192, 200)})
     emit({"case": "eager 8 KiB bf16", **eager_case(a.world, 8192, 200)})

@@ -27,11 +27,16 @@ constexpr int kPacketPayload = 8;
 // The host-mapped error record (PURLIN_SNAC_ERROR_WORDS int64 words); word 0 is written last.
 enum ErrorWord : int {
   kErrCode = 0, kErrOp = 1, kErrKind = 2, kErrPeer = 3, kErrItem = 4, kErrRank = 5, kErrTarget = 6, kErrSeen = 7,
-  kErrTag = 8
+  kErrTag = 8, kErrPeerInfoLo = 9, kErrPeerInfoHi = 10, kErrMyInfo = 11
 };
 // kErrCode values. A bad record (unknown opcode, a reduce in the copy-only kernel, a reduce record
 // with an unknown operator or source count) puts the opcode in kErrKind, word 0 in kErrSeen.
-enum ErrorCode : int { kErrTimeout = 1, kErrBadRecord = 2 };
+// A mismatch (two ranks made different calls at the same call number: their fingerprints differ)
+// puts my descriptor word 0 in kErrTarget, the peer's in kErrSeen, the peer's other two words in
+// kErrPeerInfoLo / kErrPeerInfoHi (0 where a word belonged to another call) and my desc_info in kErrMyInfo.
+enum ErrorCode : int { kErrTimeout = 1, kErrBadRecord = 2, kErrMismatch = 3 };
+// A wait checks its peer's descriptor only once it has spun this long (the fast path never reads it).
+constexpr long long kDescAfterNs = 20000;
 
 }  // namespace purlin::snac
 

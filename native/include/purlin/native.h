@@ -7,7 +7,7 @@
 // constant here (or in purlin/encoding.h) changes; purlin_native_layout() exports them all and
 // purlin_sglang/native.py compares that export with its own copies when it loads the library.
 //
-// Devices (ABI 7): this library links its own static CUDA runtime, whose current device is its own.
+// Devices (ABI 7, kept in ABI 8): this library links its own static CUDA runtime, whose current device is its own.
 // Every entry point that launches or queries a device takes the CUDA device index (an argument, or
 // the `device` field of its parameter struct) and makes that device current on the calling thread
 // (cudaSetDevice where it differs) before it touches the device; it restores nothing,
@@ -89,6 +89,8 @@ PURLIN_API int purlin_reduce_atom(void* dst, const void* const* srcs, int nsrc, 
 #define PURLIN_SNAC_OP_WORDS 12
 #define PURLIN_SNAC_EPOCH_WORDS 16  // per-block packet epochs: at most this many blocks per grid
 #define PURLIN_SNAC_ERROR_WORDS 16  // the host-mapped error record (purlin/encoding.h: ErrorWord)
+#define PURLIN_SNAC_DESC_RING 4     // call descriptors (ABI 8): slots per producer rank
+#define PURLIN_SNAC_DESC_WORDS 3    // words per descriptor slot
 typedef struct PurlinSnacParams {
   const long long* ops;       // device: n_ops records, then n_updates (byte offset, delta) pairs
   long long n_ops;
@@ -110,12 +112,26 @@ typedef struct PurlinSnacParams {
   long long window_off, window_bytes;  // packet receive windows: [2 parities][world producers] x window_bytes
   long long packets;                   // 1: the table holds only packet ops: run the packet kernel
   long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
+  // Call descriptors (ABI 8; -1 in desc_off: off). At kernel start block 0 stores this call's
+  // descriptor into slot desc_seq % PURLIN_SNAC_DESC_RING of row `rank` of every peer's descriptor
+  // area ([producer][slot][PURLIN_SNAC_DESC_WORDS] int64 at desc_off): three words, each
+  // (desc_seq mod 2^32) << 32 | payload, the payloads being desc_fp mod 2^32 (the call's
+  // cross-rank fingerprint), the low and the high 32 bits of desc_info. A wait that is still
+  // spinning after PURLIN_SNAC_DESC_AFTER_NS reads its peer's slot for this call in its own area:
+  // the same seq with another fingerprint is a mismatch (error code 3), recorded with both sides'
+  // descriptors, and the grid exits as on a timeout. No fence: the check is a diagnosis of a wait
+  // that has not completed, never a condition of one that has.
+  long long desc_off;
+  long long desc_seq;                  // the host's call number (frozen in a captured graph)
+  long long desc_fp;
+  long long desc_info;                 // the host's description code (purlin_sglang/engines/base.py)
 } PurlinSnacParams;
 // Enqueue one rank's schedule on `stream` (asynchronous; safe under CUDA graph capture: one launch,
 // no host sync, no allocation). Returns a cudaError_t: cudaErrorInvalidValue for bad params,
 // cudaErrorCooperativeLaunchTooLarge (nothing launched) when `blocks` blocks of the kernel cannot be
 // resident on the device at once. An op the kernel cannot run (unknown opcode, a reduce in a
-// copy-only schedule, dtype 0) is recorded in host_error (code 2) and breaks the workspace.
+// copy-only schedule, dtype 0) is recorded in host_error (code 2) and breaks the workspace; so is a
+// call whose peer made a different call at the same call number (code 3, see desc_off).
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream);
 // The fewest resident blocks per SM over EVERY interpreter and packet kernel (each at its own
 // block size) on `device`, and its SM count; loads every kernel. Returns a cudaError_t.
