@@ -29,8 +29,8 @@ def fingerprint(key: tuple) -> int:
 # A 64-bit code (the CPU engine's descriptor ring, the CUDA engine's device descriptors): bits 0-7 the
 # collective (1 + its index in DESC_OPS, 0: a naming of the user's), 8-15 the dtype (1 + its index in
 # DESC_DTYPES, 0: another), 16-23 the reduction (1 + its index in DESC_REDUCE, 0: a copy), 24-31
-# root + 1 (0: no root), 32-63 this rank's input bytes (capped at 2^32 - 1). The same in every
-# process of one version.
+# root + 1 (0: no root), 32-62 this rank's input bytes (capped at 2^31 - 1, so the code is a
+# non-negative int64). The same in every process of one version.
 DESC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
             "all_to_all_v", "broadcast")
 DESC_DTYPES = tuple(d for d in (
@@ -50,7 +50,7 @@ def call_info(op: str, dtype: torch.dtype, nbytes: int, plan: Any = None) -> int
     red = 0 if reduce is None else _DESC_REDUCE_CODE.get(getattr(reduce, "value", reduce), 0)
     r = 0 if root is None else min(root + 1, 0xFF)
     return (_DESC_OP_CODE.get(op, 0) | _DESC_DTYPE_CODE.get(dtype, 0) << 8 | red << 16 | r << 24
-            | min(int(nbytes), 0xFFFFFFFF) << 32)
+            | min(int(nbytes), 0x7FFFFFFF) << 32)
 
 
 def describe_info(info: int) -> str:
@@ -67,7 +67,7 @@ def describe_info(info: int) -> str:
         parts.append(f"op={DESC_REDUCE[red - 1]}")
     if r:
         parts.append(f"root={r - 1}" if r < 0xFF else "root>=254")
-    parts.append(f"{n}{'+' if n == 0xFFFFFFFF else ''} bytes in")
+    parts.append(f"{n}{'+' if n == 0x7FFFFFFF else ''} bytes in")
     return f"{name}({', '.join(parts)})"
 
 
