@@ -92,7 +92,7 @@ def install_fake_cuda_queries() -> None:
         cuda_mod._current_raw_stream = lambda index: FAKE_STREAM
 
 
-def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int) -> cuda_mod.CudaEngine:
+def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int, call_check: bool = False) -> cuda_mod.CudaEngine:
     """A real CudaEngine object whose device parts are on the CPU and whose library is fake.
 
     Built field by field as CudaEngine.__init__ does (its __init__ needs a GPU)."""
@@ -107,6 +107,8 @@ def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int) -> cuda_m
     e._err = e._host_error.numpy()
     e._params = native.SnacParams()
     e._pref = ctypes.byref(e._params)
+    e.call_check, e._descs = call_check, {}
+    e._params.desc_off = e.dlayout.desc_off if call_check else -1
     e._by_id, e._by_key, e._names = {}, {}, []
     e._index, e._stream, e._stream_handle = 0, None, None
     e.broken = None
@@ -183,6 +185,12 @@ def main() -> None:
     emit("CudaEngine.execute (fake lib and stream), all_reduce", time_calls(lambda: eng.execute(sched, ctx), a.iters))
     if eng.lib.launches != a.iters + 200 or eng._params.output != out.data_ptr():
         raise SystemExit("the fake library did not see the expected launches / pointers")
+
+    eng_checked = real_cuda_engine_on_cpu(w, 0, 1 << 20, call_check=True)
+    emit("CudaEngine.execute, all_reduce, device_call_check on",
+         time_calls(lambda: eng_checked.execute(sched, ctx), a.iters))
+    if eng_checked._params.desc_seq != ctx.seq:
+        raise SystemExit("the checked engine did not pass the call number")
 
     comm2 = make_comm(w, eng)
     emit("run + CudaEngine.execute: all_reduce 4096 bf16, out=", time_calls(lambda: comm2.all_reduce(x, out=out),
