@@ -76,9 +76,11 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 __device__ __forceinline__ char* own(const PurlinSnacParams& p) { return static_cast<char*>(p.bases[p.rank]); }
 
-// One thread: record the first error of this rank (device word, then the host-mapped record).
+// One thread: record the first error of this rank (device word, then the host-mapped record; the
+// last three words only for a mismatch, see desc_mismatch).
 __device__ inline void record_error(const PurlinSnacParams& p, long long code, long long op, int kind,
-                                    long long peer, long long item, long long target, long long seen) {
+                                    long long peer, long long item, long long target, long long seen,
+                                    long long peer_info_lo = 0, long long peer_info_hi = 0, long long my_info = 0) {
   auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
   if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return;
   long long* h = p.host_error;
@@ -90,6 +92,9 @@ __device__ inline void record_error(const PurlinSnacParams& p, long long code, l
   st_volatile(h + kErrTarget, target);
   st_volatile(h + kErrSeen, seen);
   st_volatile(h + kErrTag, p.tag);
+  st_volatile(h + kErrPeerInfoLo, peer_info_lo);
+  st_volatile(h + kErrPeerInfoHi, peer_info_hi);
+  st_volatile(h + kErrMyInfo, my_info);
   __threadfence_system();
   st_volatile(h + kErrCode, code);
 }
@@ -135,23 +140,9 @@ __device__ inline bool desc_mismatch(const PurlinSnacParams& p, long long op, in
   const long long mine = desc_word(p.desc_seq, p.desc_fp);
   const long long theirs = ld_relaxed_sys(slot);
   if ((theirs >> 32) != (mine >> 32) || theirs == mine) return false;
-  const long long lo = ld_relaxed_sys(slot + 1), hi = ld_relaxed_sys(slot + 2);
-  auto* err = reinterpret_cast<unsigned long long*>(own(p) + p.error_off);
-  if (atomicCAS(err, 0ull, 1ull) != 0ull || p.host_error == nullptr) return true;
-  long long* h = p.host_error;
-  st_volatile(h + kErrOp, op);
-  st_volatile(h + kErrKind, kind);
-  st_volatile(h + kErrPeer, peer);
-  st_volatile(h + kErrItem, item);
-  st_volatile(h + kErrRank, p.rank);
-  st_volatile(h + kErrTarget, mine);
-  st_volatile(h + kErrSeen, theirs);
-  st_volatile(h + kErrTag, p.tag);
-  st_volatile(h + kErrPeerInfoLo, (lo >> 32) == (mine >> 32) ? lo : 0);
-  st_volatile(h + kErrPeerInfoHi, (hi >> 32) == (mine >> 32) ? hi : 0);
-  st_volatile(h + kErrMyInfo, p.desc_info);
-  __threadfence_system();
-  st_volatile(h + kErrCode, kErrMismatch);
+  const long long lo = ld_relaxed_sys(slot + 1), hi = ld_relaxed_sys(slot + 2);  // 0 if of another call
+  record_error(p, kErrMismatch, op, kind, peer, item, mine, theirs, (lo >> 32) == (mine >> 32) ? lo : 0,
+               (hi >> 32) == (mine >> 32) ? hi : 0, p.desc_info);
   return true;
 }
 
