@@ -147,6 +147,34 @@ def test_subgroups_config_disagreement_and_no_leftover_shared_memory():
         assert r["after"] == 3.0
 
 
+def _mp_mismatch(rank, world):
+    import time as _time
+
+    with ps.Communicator(config={"staging_bytes": 4096, "timeout_s": 30}) as comm:
+        comm.all_reduce(torch.ones(4))
+        t0 = _time.monotonic()
+        try:
+            if rank == 0:
+                comm.all_reduce(torch.ones(6, dtype=torch.bfloat16))
+            else:
+                comm.all_gather(torch.ones(3, dtype=torch.float32))
+            return "ok", "", _time.monotonic() - t0
+        except ps.PurlinError as e:
+            return type(e).__name__, str(e), _time.monotonic() - t0
+
+
+def test_processes_in_different_calls_get_a_mismatch_naming_both_calls():
+    res = launch(_mp_mismatch, 2, timeout_s=120)
+    calls = {0: "all_reduce(dtype=bfloat16, 12 bytes in)", 1: "all_gather(dtype=float32, 12 bytes in)"}
+    found = [(r, msg, secs) for r, (kind, msg, secs) in enumerate(res) if kind == "PurlinMismatchError"]
+    assert found, res
+    for r, msg, secs in found:
+        assert secs < 10, (r, secs)  # at once, not after timeout_s (30 s)
+        assert f"rank {r} and rank {1 - r} entered call #2 with different collectives" in msg, msg
+        assert f"rank {r} called {calls[r]}, rank {1 - r} called {calls[1 - r]}" in msg, msg
+    assert all(kind in ("ok", "PurlinMismatchError", "PurlinBrokenError") for kind, _, _ in res), res
+
+
 # -- the launch helper -----------------------------------------------------------------------
 def _mp_mixed_failures(rank, world, payload):
     if rank == 0:
