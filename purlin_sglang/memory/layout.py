@@ -36,7 +36,9 @@ def _align(n: int, a: int) -> int:
 
 
 @dataclass(frozen=True)
-class WorkspaceLayout:
+class _RankLayout:
+    """What every workspace layout is made from: the world and each rank's staging bytes."""
+
     world: int
     staging_bytes: int
 
@@ -45,6 +47,9 @@ class WorkspaceLayout:
         """Staging items a plan may use per rank (snac.policy.max_items)."""
         return max_items(self.world)
 
+
+@dataclass(frozen=True)
+class WorkspaceLayout(_RankLayout):
     @property
     def desc_words(self) -> int:
         return 3 + self.world
@@ -104,7 +109,7 @@ DESC_RING, DESC_WORDS = 4, 3  # device call descriptors: slots per producer, int
 
 
 @dataclass(frozen=True)
-class DeviceLayout:
+class DeviceLayout(_RankLayout):
     """One rank's GPU workspace as the CUDA engine sees it (every rank's has the same layout).
 
     Rank ``r`` POLLS only words in its own workspace; peers write them remotely (P2P stores):
@@ -130,14 +135,6 @@ class DeviceLayout:
     Every offset here is in BYTES from the rank's workspace base; the kernel receives them in its
     parameter struct and computes none itself.
     """
-
-    world: int
-    staging_bytes: int
-
-    @property
-    def max_items(self) -> int:
-        """Staging items a plan may use per rank (snac.policy.max_items)."""
-        return max_items(self.world)
 
     @property
     def grid_words(self) -> int:
