@@ -84,7 +84,7 @@ def test_a_struct_mismatch_names_the_field_and_both_values(monkeypatch, fresh):
 def test_a_constant_mismatch_names_it_and_both_values(monkeypatch, fresh):
     monkeypatch.setattr(encoding, "OPCODES", dict(encoding.OPCODES, PACKET_COPY=10))  # where the check reads it
     monkeypatch.setattr(native, "DTYPE_CODES", dict(native.DTYPE_CODES, float16=3))
-    monkeypatch.setattr(native, "SNAC_ERROR_FIELDS", native.SNAC_ERROR_FIELDS[:-1])  # the stale 8-word record
+    monkeypatch.setattr(native, "SNAC_ERROR_FIELDS", native.SNAC_ERROR_FIELDS[:8])  # an 8-word record of old
     with pytest.raises(PurlinUnavailableError) as info:
         native.load()
     msg = str(info.value)
@@ -274,7 +274,7 @@ def _schedule(spec, world: int, rank: int, nbytes: int, root=None):
     from purlin_sglang.snac import Sizes, lower, make_plan
 
     plan = make_plan(spec, world, rank, root=root, nbytes=nbytes, staging_bytes=1 << 16, algorithm="oneshot")
-    return lower(plan, Sizes((nbytes,), (nbytes * (world if spec.name == "all_gather" else 1),)))
+    return lower(plan, Sizes((nbytes,), (nbytes,) * (world if spec.output.sliced else 1)))
 
 
 @pytest.mark.parametrize("call_check", [False, True])
@@ -284,6 +284,7 @@ def test_cuda_engine_publishes_call_descriptors_only_when_asked(monkeypatch, cal
 
     lib = _RecordingLib()
     monkeypatch.setattr(cuda_mod, "_current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: 0))
     e = _cuda_engine_on_cpu(monkeypatch, 0, lib, call_check=call_check)
     layout = DeviceLayout(2, 1 << 16)

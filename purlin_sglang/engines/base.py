@@ -117,7 +117,9 @@ class CallContext:
 
 @runtime_checkable
 class Engine(Protocol):
-    """One rank's datapath. Built by ``engines.create(name, ws, rank, world, timeout_s, ranks_on_gpu=)``.
+    """One rank's datapath. Built by ``engines.create(name, ws, rank, world, timeout_s, ranks_on_gpu=,
+    call_check=)``: the class is called with those arguments (``call_check``: config
+    ``device_call_check``, which an engine that always checks may ignore).
 
     ``broken`` is None while usable, else why not (set by :meth:`mark_broken` or a recorded failure).
     ``packets``: whether the engine runs packet plans (the planner may then choose ``"packet"``).

@@ -93,6 +93,7 @@ def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int, device
 class CudaEngine:
     name = "cuda"
     packets = True  # runs the packet protocol (snac/packet.cuh): the planner may choose "packet"
+    call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
                  call_check: bool = False):

@@ -32,7 +32,8 @@ class _Sim:
     packets = True  # like the CUDA engine: the planner may choose the packet protocol
     table_bytes = 0
 
-    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None):
+    def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
+                 call_check: bool = False):
         self.rank, self.world, self.broken = rank, world, None
         self.dl = DeviceLayout(world, ws.layout.staging_bytes)
         with _LOCK:
