@@ -19,6 +19,7 @@ case "$1" in
     for _ in $(seq 300); do [ -f "$OUT/build_base.rc" ] && break; sleep 1; done
     grep -q "rc=0" "$OUT/build_base.rc" 2>/dev/null || { echo "no baseline build ($OUT/build_base.rc)"; exit 1; }
     B=tests/gpu/bench_eager_host.py; cp $B /tmp/bench_eager_host.py  # the same script for both builds
+    { echo "busiest processes before the A/B:"; ps -eo pcpu,etimes,comm --sort=-pcpu | head -6; } >> "$OUT/ab.err"
     for i in $(seq ${ROUNDS:-3}); do
       timeout 120 python3 -P /tmp/bench_eager_host.py --worlds ${WORLDS:-1,8} --iters ${ITERS:-2000} --label new \
         >> "$OUT/ab.jsonl" 2>> "$OUT/ab.err"

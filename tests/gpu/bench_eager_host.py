@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import threading
@@ -77,7 +78,11 @@ def main() -> None:
     ap.add_argument("--label", default="")
     a = ap.parse_args()
     for w in (int(v) for v in a.worlds.split(",")):
-        print(json.dumps({"label": a.label, "version": getattr(ps, "__file__", "?"), **eager(w, a.iters)}), flush=True)
+        row = eager(w, a.iters)
+        # host load while it ran: eager host time is CPU-bound, so a busy machine (a process left by an
+        # earlier step, a build) shows here rather than as a difference between builds
+        print(json.dumps({"label": a.label, "version": getattr(ps, "__file__", "?"), **row,
+                          "loadavg_1m": round(os.getloadavg()[0], 2)}), flush=True)
     if a.profile:
         profile(a.profile)
 
