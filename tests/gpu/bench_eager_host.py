@@ -6,7 +6,7 @@ Uses only the public API (``run_virtual``, ``Communicator.all_reduce``), so the 
 older build (PYTHONPATH in front). Per world: the median and p90 over calls of the slowest rank's
 ``time.perf_counter`` around each call, and the wall time per call. ``--profile N``: then N calls of
 world 1 under cProfile, the 15 functions with the most own time (where the host time goes).
-One JSON line per world on stdout; the profile on stderr.
+One JSON line per world on stdout (with the 1-minute load average); the profile on stderr.
 """
 
 from __future__ import annotations
