@@ -1,7 +1,9 @@
 """The CUDA engine's op-table encoding (engines/cuda_ops.py), checked without a GPU: a Python model
 of the device interpreter (native/snac/interpreter.cuh, one block per rank) runs the encoded tables
 of virtual ranks, and every collective must come out bitwise as the torch reference, over several
-calls in a row (mirrors and counters carried across calls, as on the device)."""
+calls in a row (mirrors and counters carried across calls, as on the device). The model also runs
+the device call check (config device_call_check): descriptors pushed at call start, read by stalled
+waits, a mismatch recorded in the kernel's record format and raised by the real host decoder."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
 from purlin_sglang.testing.collectives import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
 from purlin_sglang.collectives import ReduceOp
+from purlin_sglang import native
+from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
+from purlin_sglang.engines.base import call_info, fold32
 from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
 
 _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
@@ -36,6 +41,9 @@ class _Sim:
                  call_check: bool = False):
         self.rank, self.world, self.broken = rank, world, None
         self.dl = DeviceLayout(world, ws.layout.staging_bytes)
+        self.call_check, self._call = call_check, None  # the device call check (native.h desc_off)
+        self.desc_reads = 0  # stalled waits that read a peer's descriptor
+        self.timeout_s = timeout_s
         with _LOCK:
             if id(ws) not in _SHARED:
                 n = self.dl.staging_off // 8
@@ -92,6 +100,44 @@ class _Sim:
                     f"{old and old[0]} {'pushed twice' if old and old[0] == e else 'overwritten unread'} (epoch {e})"
                 self.windows[key] = [e, self._span(o[1], o[2], ctx).clone(), False]
 
+    # -- the device call check, modelled: the kernel's push_descriptor / desc_mismatch (snac/ops.cuh) --
+    def _push_descriptor(self, sched, ctx):
+        seq, fp, info = ctx.seq, fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
+        self._call = (ctx.op, seq, fp, info)
+        at = self.dl.desc(self.rank, seq) // 8
+        for peer in range(self.world):
+            if peer != self.rank:  # words 1, 2, then 0, each seq << 32 | payload (no order is relied on)
+                self.words[peer][at + 1] = _desc_word(seq, info)
+                self.words[peer][at + 2] = _desc_word(seq, info >> 32)
+                self.words[peer][at] = _desc_word(seq, fp)
+
+    def _stalled(self, peer, t0, what):
+        """A wait on ``peer`` that has not completed: past 10 ms (the kernel's 20 us, scaled to threads)
+        the peer's descriptor of this call is read; a mismatch is recorded as the kernel records it and
+        raised by the real host decoder (CudaEngine._raise_recorded); past 20 s a model timeout."""
+        dt = time.monotonic() - t0
+        if self.call_check and peer != self.rank and dt > 0.01:
+            op, seq, fp, info = self._call
+            self.desc_reads += 1
+            at = self.dl.desc(peer, seq) // 8
+            mine, theirs = _desc_word(seq, fp), int(self.words[self.rank][at])
+            if theirs >> 32 == mine >> 32 and theirs != mine:
+                lo, hi = int(self.words[self.rank][at + 1]), int(self.words[self.rank][at + 2])
+                err = np.zeros(native.SNAC_ERROR_WORDS, dtype=np.int64)
+                f = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}
+                err[[f["op"], f["kind"], f["peer"], f["rank"], f["target"], f["seen"], f["tag"]]] = [
+                    0, co.NOTIFY, peer, self.rank, mine, theirs, 0]
+                err[f["peer_info_lo"]] = lo if lo >> 32 == mine >> 32 else 0
+                err[f["peer_info_hi"]] = hi if hi >> 32 == mine >> 32 else 0
+                err[f["my_info"]] = info
+                err[f["code"]] = native.SNAC_ERROR_CODES["MISMATCH"]
+                host = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
+                host._err, host._names, host.broken, host.timeout_s = err, [op], None, self.timeout_s
+                self.broken = "mismatch"
+                host._raise_recorded()
+        if dt > 20:
+            raise TimeoutError(f"sim rank {self.rank}: {what}")
+
     def _packets(self, ref, e, n, ctx):
         """A packet op's source: a window (wait for its producer's packets of epoch e), else a direct span."""
         u = ref & ((1 << 64) - 1)
@@ -99,19 +145,17 @@ class _Sim:
             return self._span(ref, n, ctx)
         key, t0 = (self.rank, e & 1, (u >> 48) & 0x3FFF), time.monotonic()
         while self.windows.get(key, (0,))[0] != e:
-            if time.monotonic() - t0 > 20:
-                raise TimeoutError(f"sim rank {self.rank}: no packets {key} of epoch {e}")
+            self._stalled(key[2], t0, f"no packets {key} of epoch {e}")
             time.sleep(0)
         win = self.windows[key]
         assert win[1].numel() == n and u & ((1 << 48) - 1) == 0, (win[1].numel(), n, u)
         win[2] = True
         return win[1]
 
-    def _wait(self, rank_words, idx, target):
+    def _wait(self, rank_words, idx, target, peer):
         t0 = time.monotonic()
         while rank_words[idx] < target:
-            if time.monotonic() - t0 > 20:
-                raise TimeoutError(f"sim rank {self.rank}: word {idx} < {target}")
+            self._stalled(peer, t0, f"word {idx} < {target}")
             time.sleep(0)
 
     def execute(self, sched, ctx):
@@ -121,6 +165,8 @@ class _Sim:
         mine = W[me]
         start = mine.copy()  # mirrors as read at kernel start
         packet_call = False
+        if self.call_check:
+            self._push_descriptor(sched, ctx)
         for i in range(enc.n_ops):
             o = [int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]]
             code, sub, nsrc = o[0] & 0xFF, (o[0] >> 8) & 0xFF, (o[0] >> 16) & 0xFF
@@ -138,10 +184,10 @@ class _Sim:
                 peer, item, k = o[1], o[2], o[3]
                 if sub == co.NOTIFY:
                     self._wait(mine, self._w(me, dl.notify_off, peer, item),
-                               start[self._w(me, dl.expect_off, peer, item)] + k)
+                               start[self._w(me, dl.expect_off, peer, item)] + k, peer)
                 else:
                     self._wait(mine, self._w(me, dl.ack_off, peer, item),
-                               start[self._w(me, dl.sent_off, peer, item)] + k)
+                               start[self._w(me, dl.sent_off, peer, item)] + k, peer)
             elif code in (co.PACKET_PUT, co.PACKET_REDUCE, co.PACKET_COPY):
                 e = int(start[dl.epoch_off // 8]) + 1  # the model runs one block: block 0's epoch word
                 packet_call = True
@@ -156,12 +202,18 @@ class _Sim:
                     for item in range(o[1]):
                         if peer != me:
                             self._wait(mine, self._w(me, dl.ack_off, peer, item),
-                                       start[self._w(me, dl.sent_off, peer, item)])
+                                       start[self._w(me, dl.sent_off, peer, item)], peer)
         if packet_call:  # each block bumps its own epoch word at its exit
             mine[dl.epoch_off // 8] += 1
         up = enc.words[enc.n_ops * co.OP_WORDS:]
         for j in range(enc.n_updates):
             mine[int(up[2 * j]) // 8] += int(up[2 * j + 1])
+
+
+def _desc_word(seq: int, payload: int) -> int:
+    """native/snac/ops.cuh desc_word: (seq mod 2^32) << 32 | (payload mod 2^32), as an int64."""
+    v = ((seq & 0xFFFFFFFF) << 32) | (payload & 0xFFFFFFFF)
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 @pytest.fixture
@@ -303,3 +355,57 @@ def test_packet_copy_records_of_all_gather_and_all_to_all():
     assert _buf_rank(a2a[4][3]) == (0, 1, n)  # my own slice 1 of my input, into output slice 1
     empty = lower(make_plan(ALL_GATHER, 4, 1, staging_bytes=1 << 16, policy=pol), Sizes((0,), (0,) * 4))
     assert _records(empty, dl) == []  # no packet record: the call leaves the epoch alone on every rank
+
+
+# -- the device call check (config device_call_check), in the model ----------------------------------------------
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_call_check_changes_no_result_and_a_late_peer_is_no_mismatch(sim, world):
+    """Every collective with the check on, each rank entering each call up to 30 ms late (so its peers'
+    waits stall and read its descriptor, which then holds an earlier call, over more calls than the ring
+    has slots): bitwise the torch reference, no mismatch."""
+    import random
+
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "device_call_check": True}
+    cases = packet_cases(SEED + 7 * world, large=True)
+    rng = random.Random(SEED)
+    delays = [[rng.random() * 0.03 for _ in cases] for _ in range(world)]
+
+    def fn(comm):
+        assert comm._engine.call_check
+        for c, d in zip(cases, delays[comm.rank]):
+            time.sleep(d)
+            check_case(comm, c, paths=("out",))
+        return comm._engine._call[1], comm._engine.desc_reads  # the last call number published
+
+    try:
+        res = ps.run_virtual(world, fn, config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED}: {e}") from e
+    assert [r[0] for r in res] == [len(cases)] * world and len(cases) > 4  # past the ring's 4 slots
+    assert sum(r[1] for r in res) > 0  # stalled waits did read descriptors
+
+
+@pytest.mark.parametrize("late", [None, 0, 1])
+def test_ranks_in_different_calls_get_a_mismatch_from_the_device_check(sim, late):
+    """A staged all_reduce on rank 0 against a packet all_gather on rank 1 at the same call number:
+    each rank's wait stalls, reads the other's descriptor and raises what the host decodes from the
+    kernel's record, naming both calls, long before timeout_s."""
+    def fn(comm):
+        comm.all_reduce(torch.ones(4))  # call #1 agrees
+        if comm.rank == late:
+            time.sleep(0.1)
+        if comm.rank == 0:
+            comm.all_reduce(torch.ones(1 << 17))  # 512 KiB: two-shot, staged
+        else:
+            comm.all_gather(torch.ones(64))  # 256 bytes: packets
+
+    t0 = time.monotonic()
+    with pytest.raises(ps.PurlinMismatchError) as info:
+        ps.run_virtual(2, fn, config={"staging_bytes": 1 << 16, "timeout_s": 20, "device_call_check": True})
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 10
+    r = info.value.rank
+    calls = {0: "all_reduce(dtype=float32, 524288 bytes in)", 1: "all_gather(dtype=float32, 256 bytes in)"}
+    assert f"rank {r} and rank {1 - r} entered call #2 with different collectives" in msg, msg
+    assert f"rank {r} called {calls[r]}, rank {1 - r} called {calls[1 - r]}" in msg, msg
+    assert "seen by rank" in msg and "communicator is now broken" in msg, msg
