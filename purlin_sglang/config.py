@@ -69,10 +69,11 @@ class PurlinConfig(BaseModel):
       every rank and run. Every engine of this version is deterministic; ``false`` is
       reserved for faster non-deterministic paths (none yet).
     * ``device_call_check`` (false): the CUDA engine's kernels publish a descriptor of every call
-      to their peers, and a wait that stalls for 20 us reads its peer's: ranks that made different
-      calls at the same call number then get a ``PurlinMismatchError`` naming both calls at once,
-      instead of a ``PurlinTimeoutError`` after ``timeout_s``. Off by default until it has run on
-      a GPU (docs/DESIGN.md); the CPU engine and loopback eager calls always check.
+      to their peers and compare their peers' in their waits: ranks that made different calls at
+      the same call number get a ``PurlinMismatchError`` naming both calls at once, instead of a
+      ``PurlinTimeoutError`` after ``timeout_s`` (calls that differ but complete, of equal bytes,
+      when the ranks do not enter them at the same instant). Off by default until it has run on a
+      GPU (docs/DESIGN.md); the CPU engine and loopback eager calls always check.
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """

@@ -116,24 +116,28 @@ __device__ __forceinline__ void exec_reduce(const long long* o, const PurlinSnac
   }
 }
 
-// Thread 0: poll *w until >= target (relaxed polls, then one acquire). False: timed out or broken.
+// Thread 0: poll *w until >= target (relaxed polls, then one acquire). False: timed out, broken or
+// (call check on) the peer is in another call: its descriptor, loaded together with the first poll
+// (no added latency), is compared once the wait completes, and read again while it stalls.
 __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, long long target, long long op, int kind,
                                long long peer, long long item) {
-  if (ld_acquire_sys(w) >= target) return true;
+  const bool in_call = kind == kNotify || kind == kAck;  // the peer's signal of THIS call (drains: the last one)
+  long long seen = in_call ? desc_load(p, peer) : 0;      // the peer's descriptor word 0, latest read
+  if (ld_acquire_sys(w) >= target) return !in_call || !desc_differs(p, seen, op, kind, peer, item);
   const long long* err = reinterpret_cast<const long long*>(own(p) + p.error_off);
   const unsigned long long t0 = globaltimer();
   for (unsigned n = 1;; ++n) {
     const long long v = ld_relaxed_sys(w);
     if (v >= target) {
       (void)ld_acquire_sys(w);
-      return true;
+      return !in_call || !desc_differs(p, seen, op, kind, peer, item);
     }
     if ((n & 63u) == 0) {
       if (ld_relaxed_sys(err) != 0) return false;
       const unsigned long long dt = globaltimer() - t0;
-      if (dt > static_cast<unsigned long long>(kDescAfterNs) && kind != kBarrierKind &&
-          desc_mismatch(p, op, kind, peer, item)) {
-        return false;
+      if (dt > static_cast<unsigned long long>(kDescAfterNs) && kind != kBarrierKind && desc_peer(p, peer)) {
+        seen = desc_load(p, peer);
+        if (desc_differs(p, seen, op, kind, peer, item)) return false;
       }
       if (dt > static_cast<unsigned long long>(p.timeout_ns)) {
         record_timeout(p, op, kind, peer, item, target, v);

@@ -122,7 +122,8 @@ __device__ __forceinline__ long long* desc_slot(char* base, const PurlinSnacPara
 __device__ __forceinline__ bool desc_on(const PurlinSnacParams& p) { return p.desc_off >= 0; }
 
 // Block 0: thread t < world (t != rank) stores this call's descriptor into peer t's row for me.
-// Plain relaxed stores, no fence: a peer reads it only while its own wait for me is stalled.
+// Plain stores, no fence: a peer compares it when one of its waits for me in this call completes
+// (with the word it loaded as the wait began, if that was already this call's) or stalls.
 __device__ __forceinline__ void push_descriptor(const PurlinSnacParams& p) {
   if (!desc_on(p) || blockIdx.x != 0 || threadIdx.x >= p.world || threadIdx.x == p.rank) return;
   long long* slot = desc_slot(static_cast<char*>(p.bases[threadIdx.x]), p, p.rank);
@@ -131,19 +132,32 @@ __device__ __forceinline__ void push_descriptor(const PurlinSnacParams& p) {
   st_volatile(slot + 0, desc_word(p.desc_seq, p.desc_fp));
 }
 
-// One thread whose wait on `peer` has stalled: true (and the mismatch recorded) when the peer's
-// descriptor for this call number is there and its fingerprint differs from mine. A slot holding
-// another call number (the peer is behind, or ahead by a whole ring) says nothing.
-__device__ inline bool desc_mismatch(const PurlinSnacParams& p, long long op, int kind, long long peer, long long item) {
-  if (!desc_on(p) || peer < 0 || peer >= p.world || peer == p.rank) return false;
-  const long long* slot = desc_slot(own(p), p, peer);
+__device__ __forceinline__ bool desc_peer(const PurlinSnacParams& p, long long peer) {
+  return desc_on(p) && peer >= 0 && peer < p.world && peer != p.rank;
+}
+
+// Word 0 of `peer`'s descriptor slot for this call, as it is now in my workspace (0 when the check is off).
+__device__ __forceinline__ long long desc_load(const PurlinSnacParams& p, long long peer) {
+  return desc_peer(p, peer) ? ld_relaxed_sys(desc_slot(own(p), p, peer)) : 0;
+}
+
+// One thread: true (and the mismatch recorded) when `theirs`, word 0 of `peer`'s descriptor as read,
+// belongs to this call number and carries another fingerprint than mine. A word of another call
+// number (the peer is behind, or ahead by a whole ring, or not yet visible) says nothing.
+__device__ inline bool desc_differs(const PurlinSnacParams& p, long long theirs, long long op, int kind, long long peer,
+                                    long long item) {
   const long long mine = desc_word(p.desc_seq, p.desc_fp);
-  const long long theirs = ld_relaxed_sys(slot);
-  if ((theirs >> 32) != (mine >> 32) || theirs == mine) return false;
+  if (!desc_peer(p, peer) || (theirs >> 32) != (mine >> 32) || theirs == mine) return false;
+  const long long* slot = desc_slot(own(p), p, peer);
   const long long lo = ld_relaxed_sys(slot + 1), hi = ld_relaxed_sys(slot + 2);  // 0 if of another call
   record_error(p, kErrMismatch, op, kind, peer, item, mine, theirs, (lo >> 32) == (mine >> 32) ? lo : 0,
                (hi >> 32) == (mine >> 32) ? hi : 0, p.desc_info);
   return true;
+}
+
+// A wait on `peer` that has stalled: its descriptor read again and compared (desc_differs).
+__device__ inline bool desc_mismatch(const PurlinSnacParams& p, long long op, int kind, long long peer, long long item) {
+  return desc_peer(p, peer) && desc_differs(p, desc_load(p, peer), op, kind, peer, item);
 }
 
 // A REDUCE / PACKET_REDUCE word 0 names a known operator and 1 to 8 sources.

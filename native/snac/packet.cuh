@@ -161,6 +161,12 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
   }
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
+  // The call check (desc_off): the thread of packet 0 loads each producer's descriptor with its first
+  // packets and compares them once those packets are in (snac/ops.cuh desc_differs).
+  const bool first_thread = desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;
+  long long first[8];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) first[s] = first_thread && (windows & (1u << s)) ? desc_load(p, window_producer(o[3 + s])) : 0;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     const size_t off = j * kPacketBytes;
     uint4 v[8];
@@ -174,6 +180,14 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
       if ((windows & (1u << s)) && !packet_ready(v[s], e)) pending |= 1u << s;
     }
     if (pending != 0u && !poll_pending(p, o, src, off, pending, e, index, v)) return false;
+    if (first_thread && j == 0) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        if ((windows & (1u << s)) && desc_differs(p, first[s], index, kPacketKind, window_producer(o[3 + s]), 0)) {
+          return false;
+        }
+      }
+    }
     Acc acc[kE];
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -204,12 +218,15 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
   if (n == 0 || src[0] == dst) return true;
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const bool first_thread = peer >= 0 && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;  // as packet_reduce
+  const long long first = first_thread ? desc_load(p, peer) : 0;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     uint64_t w;
     if (peer >= 0) {
       const size_t off = j * kPacketBytes;
       uint4 v[1] = {ld_packet(src[0] + off)};
       if (!packet_ready(v[0], e) && !poll_pending(p, o, src, off, 1u, e, index, v)) return false;
+      if (first_thread && j == 0 && desc_differs(p, first, index, kPacketKind, peer, 0)) return false;
       w = uint64_t(v[0].x) | (uint64_t(v[0].z) << 32);
     } else {
       w = load_payload(src[0], j, n);

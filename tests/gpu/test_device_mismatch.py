@@ -2,12 +2,15 @@
 both calls at once, not a PurlinTimeoutError after ``timeout_s``; and no false alarm.
 
 Each kernel publishes its call's descriptor (call number, folded fingerprint, description) to its
-peers; a wait that stalls for 20 us reads its peer's descriptor of the same call number
-(native.h desc_off). Covered here: two processes on one GPU (CUDA IPC, eager calls), virtual ranks
-whose CUDA graphs captured different calls (graph replays bypass the host's launch gate), a peer
-that is only late (no mismatch), and every collective bitwise equal to the CPU engine with the
-check on. Only stalled waits are checked: calls that differ but complete on both sides (the same
-bytes in the same plan) are not detected (docs/DESIGN.md).
+peers; a wait for a peer's signal of the call compares the peer's descriptor, loaded as the wait
+began, once it completes, and reads it again while it stalls past 20 us (native.h desc_off).
+
+Covered here: two processes on one GPU (CUDA IPC, eager calls), virtual ranks whose CUDA graphs
+captured different calls (graph replays bypass the host's launch gate), calls that differ but
+complete (equal bytes, the same plan) with one rank late, a peer that is only late (no mismatch),
+and every collective bitwise equal to the CPU engine with the check on. Calls that differ but
+complete on both sides are caught only by a rank whose first wait begins after its peer's
+descriptor is visible (best effort; docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ PAIRS = {
               "all_reduce(dtype=float32, 4096 bytes in)", "all_reduce(dtype=float32, 32768 bytes in)"),
     "staged-vs-packet": (("all_reduce", torch.bfloat16, 1 << 18), ("all_to_all", torch.bfloat16, 64),
                          "all_reduce(dtype=bfloat16, 524288 bytes in)", "all_to_all(dtype=bfloat16, 128 bytes in)"),
+    # equal bytes through the same packet plan: no wait stalls; rank 0 enters late and finds rank 1's
+    # descriptor published when its first wait begins
+    "equal-bytes-late": (("all_reduce", torch.float32, 1024), ("all_reduce", torch.bfloat16, 2048),
+                         "all_reduce(dtype=float32, 4096 bytes in)", "all_reduce(dtype=bfloat16, 4096 bytes in)"),
 }
+LATE = {"equal-bytes-late": 0}  # pair -> the rank that enters the mismatched call 0.2 s late
 
 
 def _call(comm, what):
@@ -81,6 +89,8 @@ def _process_worker(rank, world, pair, seed):
     late = _outcome(comm, lambda: _call(comm, ("all_reduce", torch.float32, 1000)))
     dist.barrier()
     a, b = PAIRS[pair][0], PAIRS[pair][1]
+    if LATE.get(pair) == rank:
+        time.sleep(0.2)
     got = _outcome(comm, lambda: _call(comm, a if rank == 0 else b))
     dist.barrier()  # both kernels have ended before either frees the memory the other polls
     comm.close()

@@ -116,11 +116,11 @@ typedef struct PurlinSnacParams {
   // descriptor into slot desc_seq % PURLIN_SNAC_DESC_RING of row `rank` of every peer's descriptor
   // area ([producer][slot][PURLIN_SNAC_DESC_WORDS] int64 at desc_off): three words, each
   // (desc_seq mod 2^32) << 32 | payload, the payloads being desc_fp mod 2^32 (the call's
-  // cross-rank fingerprint), the low and the high 32 bits of desc_info. A wait that is still
-  // spinning after PURLIN_SNAC_DESC_AFTER_NS reads its peer's slot for this call in its own area:
-  // the same seq with another fingerprint is a mismatch (error code 3), recorded with both sides'
-  // descriptors, and the grid exits as on a timeout. No fence: the check is a diagnosis of a wait
-  // that has not completed, never a condition of one that has.
+  // cross-rank fingerprint), the low and the high 32 bits of desc_info. A wait for a peer's signal
+  // of this call compares the peer's slot for this call in its own area (loaded with its first
+  // poll) once it completes, and reads it again while it spins past 20 us (kDescAfterNs): the same
+  // seq with another fingerprint is a mismatch (error code 3), recorded with both sides'
+  // descriptors, and the grid exits as on a timeout. No fence: a slot not yet visible says nothing.
   long long desc_off;
   long long desc_seq;                  // the host's call number (frozen in a captured graph)
   long long desc_fp;
