@@ -2,7 +2,8 @@
 # Eager host-path A/B on the GPU machine: this tree's installed build against a baseline commit, alternating.
 #   bash tools/gpu-eager-ab.sh build   # build BASE (a `git archive --format=tar.gz` of the baseline) into /tmp/base_site
 #                                      # (may run in the background, e.g. while servers run: `... build &`)
-#   bash tools/gpu-eager-ab.sh run     # waits for that build (its $OUT/eager-ab/build_base.rc, at most 300 s), then
+#   bash tools/gpu-eager-ab.sh run     # waits for that build (its $OUT/eager-ab/build_base.rc, at most 300 s; without
+#                                      # a build of its own it uses /tmp/base_site as gpu-session.sh BASE= left it), then
 #                                      # ROUNDS x (this build, baseline) of tests/gpu/bench_eager_host.py, then a profile of each
 # Do not wait for the build with `pgrep -f` on a word of the command line: it matches the calling shell itself.
 # The current build must be installed already (tools/gpu-serve.sh setup, or pip install .). Output under $OUT/eager-ab/.
@@ -16,6 +17,9 @@ case "$1" in
       > "$OUT/build_base.log" 2>&1
     echo "baseline build rc=$? secs=$(( $(date +%s) - T0 ))" | tee "$OUT/build_base.rc" ;;
   run)
+    if [ ! -f "$OUT/build_base.log" ] && [ -d /tmp/base_site/purlin_sglang ]; then  # no build of ours started:
+      echo "baseline build rc=0 (the one in /tmp/base_site, e.g. from gpu-session.sh BASE=)" > "$OUT/build_base.rc"
+    fi
     for _ in $(seq 300); do [ -f "$OUT/build_base.rc" ] && break; sleep 1; done
     grep -q "rc=0" "$OUT/build_base.rc" 2>/dev/null || { echo "no baseline build ($OUT/build_base.rc)"; exit 1; }
     B=tests/gpu/bench_eager_host.py; cp $B /tmp/bench_eager_host.py  # the same script for both builds
