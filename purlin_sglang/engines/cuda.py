@@ -123,7 +123,7 @@ class CudaEngine:
         # Call descriptors (config device_call_check): published by every kernel, read in stalled waits.
         self.call_check = bool(call_check)
         p.desc_off = dl.desc_off if self.call_check else -1
-        self._descs: dict[tuple, tuple[int, int]] = {}  # (schedule tag, dtype) -> (folded fingerprint, info)
+        self._descs: dict[tuple, tuple[int, int]] = {}  # (fingerprint, schedule tag) -> (folded fingerprint, info)
         self._params = p
         self._pref = ctypes.byref(p)
         self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
@@ -171,10 +171,12 @@ class CudaEngine:
         p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
         p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
         if self.call_check:
-            d = self._descs.get((e[4], ctx.dtype))
+            key = (ctx.fingerprint, e[4])  # the fingerprint names the dtype, the tag the schedule (its bytes)
+            d = self._descs.get(key)
             if d is None:
-                d = self._descs[(e[4], ctx.dtype)] = (
-                    fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan))
+                if len(self._descs) >= 4096:
+                    self._descs.clear()
+                d = self._descs[key] = (fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan))
             p.desc_seq, p.desc_fp, p.desc_info = ctx.seq, d[0], d[1]
         stream = _current_raw_stream(self._index)
         if stream != self._stream_handle:  # a stream not launched on before: keep it for synchronize()
