@@ -250,7 +250,7 @@ class Communicator:
             self._check_usable(spec.name if isinstance(spec, CollectiveSpec) else "run")
             call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
         self._seq += 1
-        self._execute(CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out), call.sched)
+        self._execute(CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info), call.sched)
         return out
 
     def _check_usable(self, name: str) -> None:

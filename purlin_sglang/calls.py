@@ -20,7 +20,7 @@ import torch
 
 from .collectives import CollectiveSpec, ReduceOp
 from .config import PurlinConfig
-from .engines.base import REDUCE_DTYPES, fingerprint
+from .engines.base import REDUCE_DTYPES, call_info, fingerprint
 from .errors import PurlinConfigError, PurlinValueError
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
 from .snac.table import TableInUse, bands_for
@@ -53,11 +53,12 @@ class CacheInfo(NamedTuple):
 class Call:
     """A validated call of one shape: what running it again needs besides the tensors."""
 
-    __slots__ = ("spec", "name", "sched", "fingerprint", "out_shape", "in_place")
+    __slots__ = ("spec", "name", "sched", "fingerprint", "info", "out_shape", "in_place")
 
     def __init__(self, spec: CollectiveSpec, name: str, sched: Schedule, fp: int, out_shape: tuple,
-                 in_place: bool):
+                 in_place: bool, info: int = 0):
         self.spec, self.name, self.sched, self.fingerprint = spec, name, sched, fp
+        self.info = info  # the description code of mismatch messages (engines/base.py call_info)
         self.out_shape, self.in_place = out_shape, in_place  # in_place: out may be x
 
 
@@ -254,7 +255,8 @@ class CallPath:
             self.schedules[skey] = sched
         fixed_total = None if spec.variable else nbytes
         fp = fingerprint(plan.key + (str(x.dtype), row_bytes, fixed_total))
-        call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced)
+        call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced,
+                    call_info(name, x.dtype, nbytes, plan))
         if key is not None:
             if len(self.calls) >= self.maxsize:
                 del self.calls[next(iter(self.calls))]  # the oldest entry

@@ -247,11 +247,19 @@ def test_public_atoms_pass_a_device(monkeypatch):
 
 
 # -- a bad record surfaces as an error -------------------------------------------------------------
-def _engine_with_record(code: int, kind: int, w0: int, target: int) -> cuda_mod.CudaEngine:
+_FIELD = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}  # error record word of each field
+
+
+def _engine_with_empty_record() -> cuda_mod.CudaEngine:
+    """A CudaEngine (no GPU: only what reading its error record needs) whose record is all zero."""
     e = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
     e.timeout_s, e._names, e.broken = 5.0, ["all_reduce"], None
     e._err = np.zeros(native.SNAC_ERROR_WORDS, dtype=np.int64)
-    f = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}
+    return e
+
+
+def _engine_with_record(code: int, kind: int, w0: int, target: int) -> cuda_mod.CudaEngine:
+    e, f = _engine_with_empty_record(), _FIELD
     e._err[[f["code"], f["op"], f["kind"], f["peer"], f["rank"], f["target"], f["seen"], f["tag"]]] = [
         code, 3, kind, -1, 1, target, w0, 0]
     return e
@@ -297,9 +305,9 @@ def test_cuda_engine_publishes_call_descriptors_only_when_asked(monkeypatch, cal
         x = torch.empty(n // dtype.itemsize, dtype=dtype)
         y = torch.empty(n * (2 if spec is ALL_GATHER else 1) // dtype.itemsize, dtype=dtype)
         sched = _schedule(spec, 2, 1, n)
-        fp = int(rng.integers(1, 1 << 62))
-        e.execute(sched, CallContext(spec.name, seq, fp, dtype, x, y))
-        calls.append((seq, fold32(fp), call_info(spec.name, dtype, n, sched.plan)))
+        fp, info = int(rng.integers(1, 1 << 62)), call_info(spec.name, dtype, n, sched.plan)
+        e.execute(sched, CallContext(spec.name, seq, fp, dtype, x, y, info))
+        calls.append((seq, fold32(fp), info))
     got = lib.descs
     assert [g[0] for g in got] == [layout.desc_off if call_check else -1] * 5
     if call_check:
@@ -319,10 +327,7 @@ def test_device_descriptors_live_in_the_signal_area_and_do_not_overlap():
 
 
 def _engine_with_mismatch(mine_seq: int, mine_fp: int, theirs_fp: int, my_info: int, peer_info: int | None):
-    e = cuda_mod.CudaEngine.__new__(cuda_mod.CudaEngine)
-    e.timeout_s, e._names, e.broken = 5.0, ["all_reduce"], None
-    e._err = np.zeros(native.SNAC_ERROR_WORDS, dtype=np.int64)
-    f = {n: i for i, n in enumerate(native.SNAC_ERROR_FIELDS)}
+    e, f = _engine_with_empty_record(), _FIELD
 
     def word(payload):
         v = (mine_seq << 32) | (payload & 0xFFFFFFFF)

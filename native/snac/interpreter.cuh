@@ -135,7 +135,7 @@ __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, lo
     if ((n & 63u) == 0) {
       if (ld_relaxed_sys(err) != 0) return false;
       const unsigned long long dt = globaltimer() - t0;
-      if (dt > static_cast<unsigned long long>(kDescAfterNs) && kind != kBarrierKind && desc_peer(p, peer)) {
+      if (dt > static_cast<unsigned long long>(kDescAfterNs) && desc_peer(p, peer)) {  // (not a barrier: peer = me)
         seen = desc_load(p, peer);
         if (desc_differs(p, seen, op, kind, peer, item)) return false;
       }

@@ -102,8 +102,8 @@ def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks
 
     ``ranks_on_gpu``: how many ranks' grids must be co-resident on this rank's GPU at once (the
     world for virtual ranks of one process, 1 for a rank that is a process of its own); host
-    engines ignore it. ``call_check``: device engines publish call descriptors and check their
-    peers' in stalled waits (config ``device_call_check``); host engines always check. Local:
+    engines ignore it. ``call_check``: device engines publish call descriptors and compare their
+    peers' in their waits (config ``device_call_check``); host engines always check. Local:
     builds nothing on other ranks.
     """
     return _resolve(_info(name).engine)(ws, rank, world, timeout_s, ranks_on_gpu=ranks_on_gpu, call_check=call_check)

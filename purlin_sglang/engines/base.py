@@ -96,10 +96,12 @@ class CallContext:
     ``out`` are flat uint8 views of them, made on first use: the CPU engine works on those, the
     CUDA engine reads only the data pointers, so its calls make no views."""
 
-    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "_inp", "_out")
+    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "info", "_inp", "_out")
 
-    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor,
+                 info: int = 0):
         self.op, self.seq, self.fingerprint, self.dtype, self.x, self.y = op, seq, fp, dtype, x, y
+        self.info = info  # the call's description code (call_info), for mismatch messages
         self._inp = self._out = None
 
     @property

@@ -21,7 +21,7 @@ from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 from . import cpu_moe
-from .base import CallContext, call_info, describe_info, mismatch_message
+from .base import CallContext, describe_info, mismatch_message
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -85,7 +85,7 @@ class CpuEngine:
         w, lay = self.ws.words, self.layout
         off = lay.desc_offset(self.rank, ctx.seq % RING)
         w[off + 1] = ctx.fingerprint
-        w[off + 2] = call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
+        w[off + 2] = ctx.info
         w[off + 3: off + 3 + self.world] = sched.send_bytes
         w[off] = ctx.seq  # last: publishes the entry
 
@@ -104,9 +104,8 @@ class CpuEngine:
         if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
             return True
         if fp != ctx.fingerprint:
-            mine = call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
             self._fail(PurlinMismatchError(
-                mismatch_message(ctx.op, self.rank, peer, ctx.seq, describe_info(mine), describe_info(info)),
+                mismatch_message(ctx.op, self.rank, peer, ctx.seq, describe_info(ctx.info), describe_info(info)),
                 op=ctx.op, rank=self.rank, peer=peer))
         if sent_to_me != sched.recv_bytes[peer]:
             self._fail(PurlinMismatchError(split_mismatch(ctx, peer, self.rank, sent_to_me, sched.recv_bytes[peer]),

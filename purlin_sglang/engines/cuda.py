@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule
-from .base import call_info, describe_info, fold32, mismatch_message
+from .base import describe_info, fold32, mismatch_message
 from .cuda_ops import KIND_NAMES, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
@@ -120,10 +120,9 @@ class CudaEngine:
         p.timeout_ns = timeouts(timeout_s).kernel_ns
         p.host_error = self._host_error.data_ptr()
         p.device = ws.device_index  # made current by the library before every launch
-        # Call descriptors (config device_call_check): published by every kernel, read in stalled waits.
+        # Call descriptors (config device_call_check): published by every kernel, compared in its waits.
         self.call_check = bool(call_check)
         p.desc_off = dl.desc_off if self.call_check else -1
-        self._descs: dict[tuple, tuple[int, int]] = {}  # (fingerprint, schedule tag) -> (folded fingerprint, info)
         self._params = p
         self._pref = ctypes.byref(p)
         self._by_id: dict[int, tuple] = {}  # id(schedule) -> (schedule, table, n_ops, n_updates, tag)
@@ -171,13 +170,7 @@ class CudaEngine:
         p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
         p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
         if self.call_check:
-            key = (ctx.fingerprint, e[4])  # the fingerprint names the dtype, the tag the schedule (its bytes)
-            d = self._descs.get(key)
-            if d is None:
-                if len(self._descs) >= 4096:
-                    self._descs.clear()
-                d = self._descs[key] = (fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan))
-            p.desc_seq, p.desc_fp, p.desc_info = ctx.seq, d[0], d[1]
+            p.desc_seq, p.desc_fp, p.desc_info = ctx.seq, fold32(ctx.fingerprint), ctx.info
         stream = _current_raw_stream(self._index)
         if stream != self._stream_handle:  # a stream not launched on before: keep it for synchronize()
             self._stream, self._stream_handle = torch.cuda.current_stream(self.device), stream

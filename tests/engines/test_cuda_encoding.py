@@ -22,7 +22,7 @@ from purlin_sglang.collectives import ReduceOp
 from purlin_sglang import native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
-from purlin_sglang.engines.base import call_info, fold32
+from purlin_sglang.engines.base import fold32
 from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
 
 _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
@@ -101,8 +101,8 @@ class _Sim:
                 self.windows[key] = [e, self._span(o[1], o[2], ctx).clone(), False]
 
     # -- the device call check, modelled: the kernel's push_descriptor / desc_mismatch (snac/ops.cuh) --
-    def _push_descriptor(self, sched, ctx):
-        seq, fp, info = ctx.seq, fold32(ctx.fingerprint), call_info(ctx.op, ctx.dtype, ctx.x.nbytes, sched.plan)
+    def _push_descriptor(self, ctx):
+        seq, fp, info = ctx.seq, fold32(ctx.fingerprint), ctx.info
         self._call = (ctx.op, seq, fp, info)
         at = self.dl.desc(self.rank, seq) // 8
         for peer in range(self.world):
@@ -187,7 +187,7 @@ class _Sim:
         start = mine.copy()  # mirrors as read at kernel start
         packet_call = False
         if self.call_check:
-            self._push_descriptor(sched, ctx)
+            self._push_descriptor(ctx)
         for i in range(enc.n_ops):
             o = [int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]]
             code, sub, nsrc = o[0] & 0xFF, (o[0] >> 8) & 0xFF, (o[0] >> 16) & 0xFF

@@ -35,7 +35,8 @@ enum ErrorWord : int {
 // puts my descriptor word 0 in kErrTarget, the peer's in kErrSeen, the peer's other two words in
 // kErrPeerInfoLo / kErrPeerInfoHi (0 where a word belonged to another call) and my desc_info in kErrMyInfo.
 enum ErrorCode : int { kErrTimeout = 1, kErrBadRecord = 2, kErrMismatch = 3 };
-// A wait checks its peer's descriptor only once it has spun this long (the fast path never reads it).
+// A wait reads its peer's descriptor again each time it has spun past this (the fast path reads it once,
+// with its first poll).
 constexpr long long kDescAfterNs = 20000;
 
 }  // namespace purlin::snac
