@@ -11,8 +11,8 @@
 #   core     tp1-nccl, tp2-gloo-ref, tp2-purlin-eager, tp1-purlin-yaml, tp2-purlin-graph (the runs below,
 #            most important first, for a short call)
 #   tp1ab    TP=1 throughput A/B, interleaved: default, purlin (flag), default, purlin (YAML); 128 output tokens
-#   tp1pair  TP=1 throughput A/B that can resolve 2%: the default server and purlin's (YAML switch) up at once
-#            (--mem-fraction-static 0.3 each), AB_ROUNDS (12) rounds of one batch each, the order flipped every
+#   tp1pair  TP=1 throughput A/B with a 95% interval: the default server and purlin's (YAML switch) up at once
+#            (A --mem-fraction-static 0.3, then B 0.62 once A is up), AB_ROUNDS (12) rounds of one batch each, the order flipped every
 #            round, AB_PROMPTS (64) prompts x AB_OT (128) tokens; verdict within / differs / undecided on the 95%
 #            interval of the per-round ratio ($OUT/tp1pair-ab.json; gpu-serve-client.py ab)
 #   tp1      TP=1 servers: default backend (flags), then purlin (the YAML switch configs/purlin-sglang.yaml);
@@ -111,8 +111,9 @@ serve() {
   [ "$graph" = true ] || extra+=(--disable-cuda-graph)
   local cmd=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size "$tp" --port "$port"
              "${COMMON[@]}" "${extra[@]}" "$@")
-  # a purlin server needs the build finished before it starts (the plugin is imported at start-up)
-  if [ "$backend" = purlin ] && [ -n "$BUILD_PID" ]; then wait $BUILD_PID; BUILD_PID=""; fi
+  # a server that uses purlin needs the build finished before it starts (the plugin is imported at start-up,
+  # and its flags, e.g. --purlin-nccl-free of the gloo references, are unknown to SGLang without it)
+  if [ -n "$BUILD_PID" ] && { [ "$backend" = purlin ] || [[ " $* " == *purlin* ]]; }; then wait $BUILD_PID; BUILD_PID=""; fi
   say "$name: ${cmd[*]}"
   setsid "${cmd[@]}" > "$log" 2>&1 &
   local pid=$! wait_s=$WAIT
@@ -156,10 +157,15 @@ if has tp1pair; then  # TP=1, default vs purlin (YAML switch), both servers up a
     la="$LOGS/server-tp1pair-nccl.log"; lb="$LOGS/server-tp1pair-purlin.log"
     ca=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size 1 --port $pa "${COMMON[@]}"
         --mem-fraction-static 0.3)
+    # B starts once A is up: SGLang's --mem-fraction-static counts every process's use of the GPU, so B's
+    # fraction adds A's share (about 0.32 with its graphs) to the 0.3 of its own (PAIR_FRAC_B). Started at
+    # once, whichever loads second may find no memory for its KV cache (fifth session, call 5-6).
     cb=(python3 -m sglang.launch_server --model-path "$MODEL" --load-format dummy --tp-size 1 --port $pb "${COMMON[@]}"
-        --mem-fraction-static 0.3 --config configs/purlin-sglang.yaml)
+        --mem-fraction-static "${PAIR_FRAC_B:-0.62}" --config configs/purlin-sglang.yaml)
     say "tp1pair: A ${ca[*]}"; say "tp1pair: B ${cb[*]}"
     setsid "${ca[@]}" > "$la" 2>&1 & pida=$!
+    for _ in $(seq "$WAIT"); do grep -q "The server is fired up and ready to roll" "$la" 2>/dev/null && break
+      kill -0 $pida 2>/dev/null || break; sleep 1; done
     setsid "${cb[@]}" > "$lb" 2>&1 & pidb=$!
     timeout $(( $(left) + 100 )) python3 tools/gpu-serve-client.py ab --urls "http://127.0.0.1:$pa,http://127.0.0.1:$pb" \
       --names nccl,purlin --logs "$la,$lb" --pids "$pida,$pidb" --out "$LOGS/tp1pair-ab.json" \
