@@ -68,12 +68,14 @@ class PurlinConfig(BaseModel):
     * ``deterministic`` (true): reductions in a fixed rank order, bitwise identical on
       every rank and run. Every engine of this version is deterministic; ``false`` is
       reserved for faster non-deterministic paths (none yet).
-    * ``device_call_check`` (false): the CUDA engine's kernels publish a descriptor of every call
+    * ``device_call_check`` (true): the CUDA engine's kernels publish a descriptor of every call
       to their peers and compare their peers' in their waits: ranks that made different calls at
       the same call number get a ``PurlinMismatchError`` naming both calls at once, instead of a
       ``PurlinTimeoutError`` after ``timeout_s`` (calls that differ but complete, of equal bytes,
-      when the ranks do not enter them at the same instant). Off by default until it has run on a
-      GPU (docs/DESIGN.md); the CPU engine and loopback eager calls always check.
+      when the ranks do not enter them at the same instant; docs/DESIGN.md). Measured on the H200:
+      about +0.8 us per call on the packet path (8 KiB all_reduce in a graph, 8 loopback ranks),
+      nothing visible on the staged one-shot; ``false`` trades the named error for that time (a
+      mismatch is then a timeout). The CPU engine and loopback eager calls always check.
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """
@@ -85,7 +87,7 @@ class PurlinConfig(BaseModel):
     memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
     shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True
-    device_call_check: bool = False
+    device_call_check: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)
 

@@ -160,8 +160,8 @@ def test_virtual_ranks_whose_graphs_captured_different_calls_get_a_mismatch():
 
 
 def test_the_check_off_leaves_a_mismatch_to_the_timeout():
-    """The default (device_call_check false): the same graph mismatch is a timeout after timeout_s."""
+    """With the check off (device_call_check false) the same graph mismatch is a timeout after timeout_s."""
     from purlin_sglang.errors import PurlinTimeoutError
 
     with pytest.raises(PurlinTimeoutError):
-        _graphs_that_differ({"staging_bytes": STAGING, "timeout_s": 2.0})
+        _graphs_that_differ({"staging_bytes": STAGING, "timeout_s": 2.0, "device_call_check": False})
