@@ -174,9 +174,15 @@ class Communicator:
         """Reduce-scatter where rank r receives ``sizes[r]`` rows (``sum(sizes) == x.shape[0]``)."""
         return self._run(REDUCE_SCATTER_V, x, out, op, None, sizes, None)
 
-    def all_to_all_v(self, x: torch.Tensor, input_splits: Sequence[int], output_splits: Sequence[int], *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p."""
+    def all_to_all_v(self, x: torch.Tensor, input_splits: Sequence[int] | None = None,
+                     output_splits: Sequence[int] | None = None, *, out: torch.Tensor | None = None,
+                     input_split_sizes: Sequence[int] | None = None,
+                     output_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p.
+
+        ``input_split_sizes`` / ``output_split_sizes`` (torch.distributed's names) are accepted instead."""
+        input_splits = _one_of("input_splits", input_splits, "input_split_sizes", input_split_sizes)
+        output_splits = _one_of("output_splits", output_splits, "output_split_sizes", output_split_sizes)
         return self._run(ALL_TO_ALL_V, x, out, None, None, input_splits, output_splits)
 
     def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -391,3 +397,12 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
 
 
 __all__ = ["Communicator", "run_virtual", "CacheInfo", "PurlinError", "PurlinPlanError"]
+
+
+def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or ``alias_value`` where only the alias (torch.distributed's name) was given."""
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise PurlinValueError(f"all_to_all_v: give {name} or {alias}, not both")
+    return alias_value

@@ -30,6 +30,10 @@ _STRIDED = torch.strided
 # The caller's names of the V collectives' split arguments (in messages); run() takes in_splits / out_splits.
 _SPLIT_ARGS = {"all_to_all_v": ("input_splits", "output_splits"), "all_gather_v": ("sizes", "sizes"),
                "reduce_scatter_v": ("sizes", "sizes")}
+def _rows_word(n: int) -> str:
+    return "row" if n == 1 else "rows"
+
+
 _KEY_OPS = (str, ReduceOp)  # op values the call cache takes (exact types: no subclass can alias a key)
 _NO_KEY = object()
 SCHEDULE_CACHE_SIZE = 256  # lowered schedules kept (all are dropped when it is exceeded)
@@ -324,6 +328,15 @@ class CallPath:
             if out_splits is not None:
                 raise PurlinValueError(f"{name}: out_splits given, but the output is packed")
             out_rows = (in_rows[self.rank],) if spec.input.sliced else (nrows,)
+        if spec.variable and spec.input.sliced and spec.output.sliced and not (spec.input.rooted or spec.output.rooted):
+            # a rank's own slice goes from its input slice `rank` to its output slice `rank`: both sizes are
+            # its own, so a disagreement is caught here, in the user's terms, before any peer is involved
+            r, a, b = self.rank, in_rows[self.rank], out_rows[self.rank]
+            if a != b:
+                raise PurlinValueError(
+                    f"{name}: rank {r} sends {a} {_rows_word(a)} to itself ({in_term}[{r}]) but expects {b} "
+                    f"{_rows_word(b)} from itself ({out_term}[{r}]); the two must be equal"
+                )
         return in_rows, out_rows
 
     def _check_out(self, spec: CollectiveSpec, name: str, x: torch.Tensor, out: Any, shape: tuple) -> torch.Tensor:

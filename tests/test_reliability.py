@@ -285,3 +285,48 @@ def test_all_to_all_v_local_split_errors_name_the_argument():
 
     with pytest.raises(PurlinValueError, match=r"all_to_all_v: input_splits sum to 2 rows but x has 3 rows"):
         ps.run_virtual(2, fn, config={"staging_bytes": 4096, "timeout_s": 5})
+
+
+def test_all_to_all_v_own_slice_disagreement_names_both_arguments():
+    """A rank whose input_splits[rank] and output_splits[rank] differ (its own slice, no peer involved)
+    gets a PurlinValueError in the user's terms at once, not the planner's byte notation."""
+    import random
+
+    for seed in range(5):
+        rng = random.Random(seed)
+        world = rng.randint(2, 4)
+        bad = rng.randrange(world)
+        sizes = [rng.randint(1, 3) for _ in range(world)]
+
+        def fn(comm, bad=bad, sizes=sizes):
+            ins = list(sizes)
+            if comm.rank == bad:
+                ins[bad] += 1  # sends one more row to itself than it expects from itself
+            x = torch.randn(sum(ins), 2)
+            try:
+                comm.all_to_all_v(x, ins, list(sizes))
+            except PurlinValueError as e:
+                return str(e)
+            return None
+
+        got = ps.run_virtual(world, lambda c: fn(c) if c.rank == bad else None,
+                             config={"staging_bytes": 4096, "timeout_s": 5})
+        msg = got[bad]
+        assert msg == (f"all_to_all_v: rank {bad} sends {sizes[bad] + 1} rows to itself (input_splits[{bad}]) but "
+                       f"expects {sizes[bad]} {'row' if sizes[bad] == 1 else 'rows'} from itself "
+                       f"(output_splits[{bad}]); the two must be equal"), msg
+
+
+def test_all_to_all_v_takes_torch_split_size_names():
+    def fn(comm):
+        w, r = comm.world_size, comm.rank
+        send = [(r + q) % 3 + 1 for q in range(w)]  # rows rank r sends to q
+        recv = [(p + r) % 3 + 1 for p in range(w)]  # rows rank r gets from p (= p's send[r])
+        x = torch.arange(sum(send) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r
+        a = comm.all_to_all_v(x, input_split_sizes=send, output_split_sizes=recv)
+        b = comm.all_to_all_v(x, send, recv)
+        with pytest.raises(PurlinValueError, match="give input_splits or input_split_sizes, not both"):
+            comm.all_to_all_v(x, send, recv, input_split_sizes=send)
+        return torch.equal(a, b) and a.shape[0] == sum(recv)
+
+    assert ps.run_virtual(3, fn, config={"staging_bytes": 4096, "timeout_s": 10}) == [True] * 3
