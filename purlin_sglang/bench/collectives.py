@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eager,graph (default: both on GPU, eager on CPU; graph needs CUDA)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
-    p.add_argument("--graph-calls", type=int, default=10, help="calls captured in one graph (graph mode)")
+    p.add_argument("--graph-calls", type=int, default=50,
+                   help="calls captured in one graph (graph mode; 50, as tests/gpu/bench_cuda_engine.py: with "
+                        "few calls per replay the rank threads' launches, not the GPU, set the pace)")
     p.add_argument("--rotate", type=int, default=3,
                    help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")
     p.add_argument("--l2-bytes", type=size_arg, default=H200_L2, help="L2 size (default 60M, H200)")
@@ -190,7 +192,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "rotate", "l2_bytes", "baselines", "seed", "timeout")
     s = {k: getattr(args, k) for k in keys}
     s["timing"] = ("per iteration, the slowest rank's time; CUDA events on each rank's stream (GPU) or "
-                   "time.perf_counter (CPU); graph mode: one replay of graph_calls calls / graph_calls")
+                   "time.perf_counter (CPU); graph mode: iters replays of a graph of graph_calls calls, queued "
+                   "back to back on each rank's stream (events between them, no host wait), each replay's time "
+                   "/ graph_calls")
     s["reduce_op"] = "sum"
     return s
 
