@@ -37,7 +37,8 @@ class Communicator:
 
     ``group`` is a torch.distributed process group (a gloo CPU group is enough; it
     is used only to set up shared memory). ``device`` is ``"cpu"`` or a CUDA
-    device. Collective: every rank constructs its Communicator with the same
+    device. ``config``: a :class:`PurlinConfig`, a dict of its keys, the path of a YAML file
+    of them, or None (the defaults). Collective: every rank constructs its Communicator with the same
     config. Close it with :meth:`close` (or use it as a context manager).
     """
 

@@ -13,7 +13,9 @@ call that fails one of them takes the full path, which raises the error with its
 
 from __future__ import annotations
 
+
 import logging
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -73,7 +75,16 @@ def coerce_config(config: Any) -> PurlinConfig:
         return config
     if isinstance(config, dict):
         return PurlinConfig.from_dict(config)
-    raise PurlinConfigError(f"config must be a PurlinConfig, a dict or None, got {type(config).__name__}")
+    if isinstance(config, (str, os.PathLike)):  # a YAML file, as PurlinConfig.from_yaml
+        if not os.path.isfile(config):
+            raise PurlinConfigError(
+                f"config {str(config)!r}: no such file; a string config is the path of a YAML file "
+                f"(PurlinConfig.from_yaml); otherwise pass a dict, a PurlinConfig or None"
+            )
+        return PurlinConfig.from_yaml(config)
+    raise PurlinConfigError(
+        f"config must be a PurlinConfig, a dict, the path of a YAML file or None, got {type(config).__name__}"
+    )
 
 
 def check_device(device: Any) -> torch.device:

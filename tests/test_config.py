@@ -143,10 +143,23 @@ def test_config_as_dict_reaches_run_virtual():
     assert [r[0] for r in same] == [r[0] for r in res]
 
 
-@pytest.mark.parametrize("bad", [["timeout_s", 1], "timeout_s: 1", 5])
+@pytest.mark.parametrize("bad", [["timeout_s", 1], 5, 2.5])
 def test_config_of_the_wrong_type(bad):
-    with pytest.raises(PurlinConfigError, match="config must be a PurlinConfig, a dict or None"):
+    with pytest.raises(PurlinConfigError, match="config must be a PurlinConfig, a dict, the path of a YAML file or None"):
         ps.run_virtual(1, lambda c: None, config=bad)
+
+
+def test_config_given_as_the_path_of_a_yaml_file(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("timeout_s: 7\nstaging_bytes: 8192\n")
+    for cfg in (str(f), f):
+        got = ps.run_virtual(2, lambda c: (c.config.timeout_s, c.config.staging_bytes), config=cfg)
+        assert got == [(7.0, 8192)] * 2
+    with pytest.raises(PurlinConfigError, match=r"config 'timeout_s: 1': no such file; a string config is the path"):
+        ps.run_virtual(1, lambda c: None, config="timeout_s: 1")  # YAML text is not a path
+    (tmp_path / "bad.yaml").write_text("timeout_s: -1\n")
+    with pytest.raises(PurlinConfigError, match="timeout_s"):
+        ps.run_virtual(1, lambda c: None, config=tmp_path / "bad.yaml")
 
 
 def test_bad_config_dict_in_run_virtual_names_the_key():
