@@ -72,10 +72,11 @@ class PurlinConfig(BaseModel):
       to their peers and compare their peers' in their waits: ranks that made different calls at
       the same call number get a ``PurlinMismatchError`` naming both calls at once, instead of a
       ``PurlinTimeoutError`` after ``timeout_s`` (calls that differ but complete, of equal bytes,
-      when the ranks do not enter them at the same instant; docs/DESIGN.md). Measured on the H200:
-      about +0.8 us per call on the packet path (8 KiB all_reduce in a graph, 8 loopback ranks),
-      nothing visible on the staged one-shot; ``false`` trades the named error for that time (a
-      mismatch is then a timeout). The CPU engine and loopback eager calls always check.
+      when the ranks do not enter them at the same instant; docs/DESIGN.md). Measured on the H200
+      (8 KiB all_reduce in a graph, 8 loopback ranks): +0.8 us per call against the check off,
+      about +2 us against the packet kernel before the check existed; nothing visible on the staged
+      one-shot. ``false`` trades the named error for the 0.8 us (a mismatch is then a timeout).
+      The CPU engine and loopback eager calls always check.
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """
