@@ -13,7 +13,6 @@ call that fails one of them takes the full path, which raises the error with its
 
 from __future__ import annotations
 
-
 import logging
 import os
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ import torch
 
 from .collectives import CollectiveSpec, ReduceOp
 from .config import PurlinConfig
-from .engines.base import REDUCE_DTYPES, call_info, fingerprint
+from .engines.base import REDUCE_DTYPES, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
 from .snac.table import TableInUse, bands_for
@@ -32,10 +31,6 @@ _STRIDED = torch.strided
 # The caller's names of the V collectives' split arguments (in messages); run() takes in_splits / out_splits.
 _SPLIT_ARGS = {"all_to_all_v": ("input_splits", "output_splits"), "all_gather_v": ("sizes", "sizes"),
                "reduce_scatter_v": ("sizes", "sizes")}
-def _rows_word(n: int) -> str:
-    return "row" if n == 1 else "rows"
-
-
 _KEY_OPS = (str, ReduceOp)  # op values the call cache takes (exact types: no subclass can alias a key)
 _NO_KEY = object()
 SCHEDULE_CACHE_SIZE = 256  # lowered schedules kept (all are dropped when it is exceeded)
@@ -345,8 +340,8 @@ class CallPath:
             r, a, b = self.rank, in_rows[self.rank], out_rows[self.rank]
             if a != b:
                 raise PurlinValueError(
-                    f"{name}: rank {r} sends {a} {_rows_word(a)} to itself ({in_term}[{r}]) but expects {b} "
-                    f"{_rows_word(b)} from itself ({out_term}[{r}]); the two must be equal"
+                    f"{name}: rank {r} sends {rows_phrase(a)} to itself ({in_term}[{r}]) but expects "
+                    f"{rows_phrase(b)} from itself ({out_term}[{r}]); the two must be equal"
                 )
         return in_rows, out_rows
 

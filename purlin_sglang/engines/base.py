@@ -79,6 +79,11 @@ def mismatch_message(op: str, rank: int, peer: int, seq: int, mine: str, theirs:
             "in the same order")
 
 
+def rows_phrase(n: int) -> str:
+    """``1 row`` or ``n rows``: a row count in an error message."""
+    return f"{n} row{'s' if n != 1 else ''}"
+
+
 def fold32(fp: int) -> int:
     """A 63-bit fingerprint folded to the 32 bits a device descriptor word carries."""
     return (fp ^ (fp >> 32)) & 0xFFFFFFFF

@@ -21,7 +21,7 @@ from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 from . import cpu_moe
-from .base import CallContext, describe_info, mismatch_message
+from .base import CallContext, describe_info, mismatch_message, rows_phrase
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -42,7 +42,7 @@ def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int)
     row = x.element_size() * (int(torch.Size(x.shape[1:]).numel()) if x.dim() else 1)
     send_term, recv_term = _SPLIT_TERMS.get(ctx.op, ("in_splits[{c}]", "out_splits[{p}]"))
     def rows(n: int) -> str:
-        return f"{n // row} row{'s' if n // row != 1 else ''}" if row and n % row == 0 else f"{n} bytes"
+        return rows_phrase(n // row) if row and n % row == 0 else f"{n} bytes"
     return (f"{ctx.op}: rank {p} sends {rows(sent)} to rank {c} (its {send_term.format(p=p, c=c)}), but rank {c} "
             f"expects {rows(expected)} from rank {p} (its {recv_term.format(p=p, c=c)}) in call #{ctx.seq}; the split "
             "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
