@@ -21,9 +21,11 @@ using purlin::snac::snac_packet_kernel;
 using purlin::snac::SnacConfig;
 using Kernel = void (*)(PurlinSnacParams);
 
+// packets: 0 the staged interpreter, 1 the packet kernel with the call check, 2 the packet kernel
+// without it (desc_off < 0: snac/packet.cuh kCheck).
 template <class T>
 Kernel pick(long long packets) {
-  return packets ? snac_packet_kernel<T> : snac_kernel<T>;
+  return packets == 2 ? snac_packet_kernel<T, false> : packets ? snac_packet_kernel<T, true> : snac_kernel<T>;
 }
 
 Kernel kernel_for(long long dtype, long long packets) {
@@ -51,7 +53,7 @@ cudaError_t min_blocks_per_sm(int dev, int* out) {
   return purlin::kernels::per_device_cached(cache, dev, out, [](int, int* v) {
     int best = -1;
     for (long long d = 0; d <= PURLIN_DTYPE_INT64; ++d) {
-      for (long long packets = 0; packets <= 1; ++packets) {
+      for (long long packets = 0; packets <= 2; ++packets) {
         int n = 0;
         const cudaError_t e = purlin::kernels::blocks_per_sm(kernel_for(d, packets), threads_for(packets), &n);
         if (e != cudaSuccess) return e;
@@ -68,7 +70,7 @@ cudaError_t min_blocks_per_sm(int dev, int* out) {
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream) {
   if (params == nullptr) return cudaErrorInvalidValue;
   const PurlinSnacParams& p = *params;
-  const Kernel k = kernel_for(p.dtype, p.packets);
+  const Kernel k = kernel_for(p.dtype, p.packets ? (p.desc_off >= 0 ? 1 : 2) : 0);
   if (k == nullptr || p.world < 1 || p.world > PURLIN_SNAC_MAX_RANKS || p.rank < 0 || p.rank >= p.world ||
       p.blocks < 1 || p.blocks > PURLIN_SNAC_EPOCH_WORDS || p.n_ops < 0 || p.n_updates < 0 || (p.n_ops > 0 && p.ops == nullptr) ||
       p.arrive_slots < 1 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices ||

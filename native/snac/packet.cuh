@@ -103,6 +103,7 @@ __device__ __forceinline__ int window_producer(long long ref) {
 // Re-poll packet `off` of the window sources in `pending` (bit s: source s, at src[s]) until each
 // carries epoch e; false on a timeout (recorded, naming the first producer still missing: source s
 // of record `o`) or a broken workspace.
+template <bool kCheck>
 __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const long long* o, const char* const* src,
                                           size_t off, unsigned pending, uint32_t e, long long index, uint4* v) {
   const long long* err = reinterpret_cast<const long long*>(static_cast<const char*>(p.bases[p.rank]) + p.error_off);
@@ -128,7 +129,7 @@ __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const lo
         }
       }
       const long long peer = window_producer(o[3 + miss]);
-      if (dt > static_cast<unsigned long long>(kDescAfterNs) && desc_mismatch(p, index, kPacketKind, peer, 0)) {
+      if (kCheck && dt > static_cast<unsigned long long>(kDescAfterNs) && desc_mismatch(p, index, kPacketKind, peer, 0)) {
         return false;
       }
       if (dt > static_cast<unsigned long long>(p.timeout_ns)) {
@@ -142,7 +143,7 @@ __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const lo
 
 // PACKET_REDUCE: sub = op, nsrc = k: w1 dst ref, w2 bytes, w3.. sources in rank order; a source
 // with buf kWindow is the packets that rank pushed into my window, any other is read directly.
-template <class T, atoms::ReduceOp O>
+template <class T, atoms::ReduceOp O, bool kCheck>
 __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
   using N = arch::Num<T>;
   using Bits = typename N::Bits;
@@ -163,7 +164,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   // The call check (desc_off): the thread of packet 0 loads each producer's descriptor with its first
   // packets and compares them once those packets are in (snac/ops.cuh desc_differs).
-  const bool first_thread = desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;
+  const bool first_thread = kCheck && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;
   long long first[8];
 #pragma unroll
   for (int s = 0; s < 8; ++s) first[s] = first_thread && (windows & (1u << s)) ? desc_load(p, window_producer(o[3 + s])) : 0;
@@ -179,7 +180,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
     for (int s = 0; s < 8; ++s) {
       if ((windows & (1u << s)) && !packet_ready(v[s], e)) pending |= 1u << s;
     }
-    if (pending != 0u && !poll_pending(p, o, src, off, pending, e, index, v)) return false;
+    if (pending != 0u && !poll_pending<kCheck>(p, o, src, off, pending, e, index, v)) return false;
     if (first_thread && j == 0) {
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
@@ -210,6 +211,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
 }
 
 // PACKET_COPY: w1 dst ref, w2 bytes, w3 src ref (a window: that producer's packets; else direct).
+template <bool kCheck>
 __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
   const size_t n = size_t(o[2]);
   char* dst = resolve(p, o[1]);
@@ -218,14 +220,14 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
   if (n == 0 || src[0] == dst) return true;
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
-  const bool first_thread = peer >= 0 && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;  // as packet_reduce
+  const bool first_thread = kCheck && peer >= 0 && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;  // as packet_reduce
   const long long first = first_thread ? desc_load(p, peer) : 0;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     uint64_t w;
     if (peer >= 0) {
       const size_t off = j * kPacketBytes;
       uint4 v[1] = {ld_packet(src[0] + off)};
-      if (!packet_ready(v[0], e) && !poll_pending(p, o, src, off, 1u, e, index, v)) return false;
+      if (!packet_ready(v[0], e) && !poll_pending<kCheck>(p, o, src, off, 1u, e, index, v)) return false;
       if (first_thread && j == 0 && desc_differs(p, first, index, kPacketKind, peer, 0)) return false;
       w = uint64_t(v[0].x) | (uint64_t(v[0].z) << 32);
     } else {
@@ -236,12 +238,12 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
   return true;
 }
 
-template <class T>
+template <class T, bool kCheck>
 __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
   switch (int((o[0] >> 8) & 0xff)) {
-    case PURLIN_REDUCE_SUM: return packet_reduce<T, atoms::ReduceOp::kSum>(o, p, e, index);
-    case PURLIN_REDUCE_MAX: return packet_reduce<T, atoms::ReduceOp::kMax>(o, p, e, index);
-    default: return packet_reduce<T, atoms::ReduceOp::kMin>(o, p, e, index);
+    case PURLIN_REDUCE_SUM: return packet_reduce<T, atoms::ReduceOp::kSum, kCheck>(o, p, e, index);
+    case PURLIN_REDUCE_MAX: return packet_reduce<T, atoms::ReduceOp::kMax, kCheck>(o, p, e, index);
+    default: return packet_reduce<T, atoms::ReduceOp::kMin, kCheck>(o, p, e, index);
   }
 }
 
@@ -250,7 +252,11 @@ __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacPa
 // apart from the staged interpreter (snac/interpreter.cuh) so neither carries the other's registers.
 // Each block reads its epoch word at the start and bumps it at its exit; there are no mirrors, no
 // arrival counters and no exit counter. Same grid as the interpreter (p.blocks).
-template <class T>
+//
+// kCheck: the call check compiled in. The launch picks the instantiation without it when the check is
+// off (native.h desc_off < 0), so the descriptor code then costs nothing (fifth session: with it
+// compiled in but off, the bf16 kernel had 21% more instructions and ran about 1 us slower).
+template <class T, bool kCheck>
 __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_kernel(PurlinSnacParams p) {
   char* me = own(p);
   long long* epoch_word = reinterpret_cast<long long*>(me + p.epoch_off) + blockIdx.x;
@@ -259,7 +265,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
     return;
   }
   const uint32_t epoch = uint32_t(before + 1);
-  push_descriptor(p);
+  if constexpr (kCheck) push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;
     switch (int(o[0] & 0xff)) {
@@ -273,11 +279,11 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
             if (threadIdx.x == 0) record_bad_record(p, i, o[0]);
             return;
           }
-          if (__syncthreads_or(!exec_packet_reduce<T>(o, p, epoch, i))) return;
+          if (__syncthreads_or(!exec_packet_reduce<T, kCheck>(o, p, epoch, i))) return;
         }
         break;
       case kPacketCopy:
-        if (__syncthreads_or(!exec_packet_copy(o, p, epoch, i))) return;
+        if (__syncthreads_or(!exec_packet_copy<kCheck>(o, p, epoch, i))) return;
         break;
       default:  // an unknown opcode (or a staged one): recorded, never skipped
         if (threadIdx.x == 0) record_bad_record(p, i, o[0]);
