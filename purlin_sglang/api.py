@@ -18,17 +18,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import engines
-from .calls import CacheInfo, CallPath, check_device, check_group, coerce_config, rows
+from .calls import CacheInfo, CallPath, check_device, check_group, coerce_config, one_of
 from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
     REDUCE_SCATTER_V, CollectiveSpec,
 )
 from .engines.base import CallContext
 from .snac.table import TableInUse
-from .errors import PurlinBrokenError, PurlinClosedError, PurlinError, PurlinPlanError, PurlinValueError
+from .errors import PurlinError, PurlinPlanError, PurlinValueError
 from .memory import bootstrap, setup_phase
 from .moe import MoEDispatch
-from .moe.validate import check_combine, check_dispatch
+from .moe.validate import check_combine, checked_dispatch
 from .virtual import VirtualWorld, run_world
 
 
@@ -126,13 +126,7 @@ class Communicator:
         """The algorithm (``packet``, ``oneshot`` or ``twoshot``) this communicator runs for a call of
         ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes: what the
         call path chooses, from ``tuning`` and its table (:meth:`tuning_info`). Local; cheap."""
-        from .collectives import CATALOG
-
-        spec = CATALOG.get(collective) if isinstance(collective, str) else collective
-        if not isinstance(spec, CollectiveSpec):
-            raise PurlinValueError(f"algorithm: collective must be a catalog name ({', '.join(CATALOG)}) or a "
-                                   f"CollectiveSpec, got {collective!r}")
-        return self._path.algorithm(spec, nbytes)
+        return self._path.algorithm(collective, nbytes)
 
     def tuning_info(self) -> TableInUse:
         """Which crossovers this communicator's planner uses: the tuning table's bands for its world
@@ -163,12 +157,7 @@ class Communicator:
 
     def all_gather_v(self, x: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather with per-rank row counts ``sizes`` (``sizes[rank] == x.shape[0]``)."""
-        sizes = self._path.splits("all_gather_v", "sizes", sizes)
-        if sizes[self.rank] != rows(x):
-            raise PurlinValueError(
-                f"all_gather_v: sizes[{self.rank}]={sizes[self.rank]} but x has {rows(x)} rows on rank {self.rank}"
-            )
-        return self._run(ALL_GATHER_V, x, out, None, None, None, sizes)
+        return self._run(ALL_GATHER_V, x, out, None, None, None, self._path.gather_sizes(x, sizes))
 
     def reduce_scatter_v(self, x: torch.Tensor, sizes: Sequence[int], op: Any = "sum", *,
                          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,8 +171,8 @@ class Communicator:
         """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p.
 
         ``input_split_sizes`` / ``output_split_sizes`` (torch.distributed's names) are accepted instead."""
-        input_splits = _one_of("input_splits", input_splits, "input_split_sizes", input_split_sizes)
-        output_splits = _one_of("output_splits", output_splits, "output_split_sizes", output_split_sizes)
+        input_splits = one_of("input_splits", input_splits, "input_split_sizes", input_split_sizes)
+        output_splits = one_of("output_splits", output_splits, "output_split_sizes", output_split_sizes)
         return self._run(ALL_TO_ALL_V, x, out, None, None, input_splits, output_splits)
 
     def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,17 +213,8 @@ class Communicator:
         the error is this rank's alone (no host exchange there).
         """
         self._check_usable("moe_dispatch")
-        on_gpu = self.device.type == "cuda"
-        capturing = on_gpu and torch.cuda.is_current_stream_capturing()
-        try:
-            quant = check_dispatch(x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
-                                   self.device, check_values=not on_gpu)  # the GPU engine checks the ids itself
-        except PurlinValueError as e:  # tell the peers (eager): every rank raises, the communicator stays usable
-            if capturing:
-                raise
-            self._moe.reject(e)  # raises
-            raise  # not reached
-        return self._moe.dispatch(x, topk_ids, topk_weights, num_experts, capacity, quant, capturing)
+        return checked_dispatch(self._moe, x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
+                                self.device)
 
     def moe_combine(self, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:
         """Return [T, H] on each source rank: per token, sum over k of ``topk_weights[t, k] *
@@ -262,25 +242,12 @@ class Communicator:
 
     def _check_usable(self, name: str) -> None:
         if self._closed:
-            if self._broken_reason:
-                raise PurlinBrokenError(
-                    f"{name}: the communicator is broken by an earlier failure ({self._broken_reason}); its memory "
-                    "was released then; create a new Communicator on every rank")
-            raise PurlinClosedError(f"{name}: the communicator is closed; create a new one")
+            raise engines.closed_error(name, self._broken_reason)
         try:
-            self._engine.check()  # an error an earlier call recorded (no device sync)
-            if self._moe is not None:
-                self._moe.check(fatal_only=True)  # a fatal error an earlier MoE call recorded (no sync)
+            engines.check_usable(name, self._engine, self._moe)
         except PurlinError:
             self._release_broken()
             raise
-        if self._engine.broken:
-            reason = self._engine.broken
-            self._release_broken()
-            raise PurlinBrokenError(
-                f"{name}: the communicator is broken by an earlier failure ({reason}); "
-                "create a new Communicator on every rank"
-            )
 
     def _execute(self, ctx: CallContext, sched: Any) -> None:
         """Run one call on the engine; a failure that breaks the engine releases this rank's memory."""
@@ -398,12 +365,3 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
 
 
 __all__ = ["Communicator", "run_virtual", "CacheInfo", "PurlinError", "PurlinPlanError"]
-
-
-def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
-    """``value``, or ``alias_value`` where only the alias (torch.distributed's name) was given."""
-    if alias_value is None:
-        return value
-    if value is not None:
-        raise PurlinValueError(f"all_to_all_v: give {name} or {alias}, not both")
-    return alias_value

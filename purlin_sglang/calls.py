@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import CollectiveSpec, ReduceOp
+from .collectives import CATALOG, CollectiveSpec, ReduceOp
 from .config import PurlinConfig
 from .engines.base import REDUCE_DTYPES, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
@@ -163,9 +163,15 @@ class CallPath:
         # measured bands (tuning.table), or None: the built-in thresholds
         self.table = table_in_use(config, device, world, placement)
 
-    def algorithm(self, spec: CollectiveSpec, nbytes: int | None) -> str:
-        """The algorithm of a call of ``spec`` whose input on this rank is ``nbytes`` bytes: the same on
-        every rank (it depends on the config, the world, the device model and the group-wide size)."""
+    def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None) -> str:
+        """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
+        bytes: the same on every rank (it depends on the config, the world, the device model and the
+        group-wide size)."""
+        if isinstance(spec, str) and spec in CATALOG:
+            spec = CATALOG[spec]
+        if not isinstance(spec, CollectiveSpec):
+            raise PurlinValueError(f"algorithm: collective must be a catalog name ({', '.join(CATALOG)}) or a "
+                                   f"CollectiveSpec, got {spec!r}")
         bands = self.table.bands.get(spec.name) if self.table.bands else None
         return choose_algorithm(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world,
                                 bands=bands)
@@ -284,6 +290,14 @@ class CallPath:
         if not t.is_contiguous():
             raise PurlinValueError(f"{name}: {what} must be contiguous; call .contiguous() first")
 
+    def gather_sizes(self, x: Any, sizes: Any) -> tuple[int, ...]:
+        """all_gather_v's ``sizes``, checked: a row count per rank, this rank's equal to ``x``'s rows."""
+        sizes = self.splits("all_gather_v", "sizes", sizes)
+        if sizes[self.rank] != rows(x):
+            raise PurlinValueError(
+                f"all_gather_v: sizes[{self.rank}]={sizes[self.rank]} but x has {rows(x)} rows on rank {self.rank}")
+        return sizes
+
     def splits(self, name: str, what: str, splits: Any) -> tuple[int, ...]:
         if splits is None:
             raise PurlinValueError(f"{name}: {what} is required for a V collective")
@@ -384,3 +398,12 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or ``alias_value`` where only the alias (torch.distributed's name) was given."""
+    if alias_value is None:
+        return value
+    if value is not None:
+        raise PurlinValueError(f"all_to_all_v: give {name} or {alias}, not both")
+    return alias_value

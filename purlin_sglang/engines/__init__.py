@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PurlinUnavailableError, PurlinValueError
+from ..errors import PurlinBrokenError, PurlinClosedError, PurlinUnavailableError, PurlinValueError
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,22 @@ def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks
 def create_moe(name: str, comm: Any) -> Any:
     """Build the MoE engine (a :class:`~.base.MoEEngine`) of engine ``name`` for Communicator ``comm``."""
     return _resolve(_info(name).moe)(comm)
+
+
+def check_usable(name: str, engine: Any, moe: Any) -> None:
+    """Raise the error an earlier call of ``engine`` (or of its MoE engine ``moe``) recorded (no device
+    sync), or PurlinBrokenError when the engine is broken: the checks before every call."""
+    engine.check()
+    if moe is not None:
+        moe.check(fatal_only=True)  # only a fatal error an earlier MoE call recorded
+    if engine.broken:
+        raise PurlinBrokenError(f"{name}: the communicator is broken by an earlier failure ({engine.broken}); "
+                                "create a new Communicator on every rank")
+
+
+def closed_error(name: str, broken_reason: str | None) -> PurlinClosedError | PurlinBrokenError:
+    """The error of a call on a closed communicator (closed by :meth:`close`, or released when broken)."""
+    if broken_reason:
+        return PurlinBrokenError(f"{name}: the communicator is broken by an earlier failure ({broken_reason}); its "
+                                 "memory was released then; create a new Communicator on every rank")
+    return PurlinClosedError(f"{name}: the communicator is closed; create a new one")

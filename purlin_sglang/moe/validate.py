@@ -63,6 +63,22 @@ def check_dispatch(x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, d
     return "fp8" if dtype == FP8 and x.dtype != FP8 else "none"
 
 
+def checked_dispatch(moe: Any, x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, dtype: Any, world: int,
+                     device: torch.device) -> MoEDispatch:
+    """Validate a moe_dispatch call, then run it on the MoE engine ``moe``. A bad argument raises
+    PurlinValueError; in eager mode ``moe.reject`` first tells the peers (every rank raises, the
+    communicator stays usable). Under graph capture the error is this rank's alone."""
+    on_gpu = device.type == "cuda"
+    capturing = on_gpu and torch.cuda.is_current_stream_capturing()
+    try:  # the GPU engine checks the ids' range itself (no host read)
+        quant = check_dispatch(x, ids, ws, num_experts, capacity, dtype, world, device, check_values=not on_gpu)
+    except PurlinValueError as e:
+        if not capturing:
+            moe.reject(e)  # raises
+        raise
+    return moe.dispatch(x, ids, ws, num_experts, capacity, quant, capturing)
+
+
 def check_combine(expert_out: Any, d: Any, device: torch.device, owner: int) -> None:
     op = "moe_combine"
     if not isinstance(d, MoEDispatch):
