@@ -1,9 +1,17 @@
 // The latency regime: flag-in-data packets (opcodes kPacketPut / kPacketReduce of snac/ops.cuh).
 //
-// A packet is 16 bytes, {data lo, flag, data hi, flag}: 8 bytes of payload and the call's epoch
-// twice, written with one 128-bit volatile store; each 8-byte half (4 data + 4 flag bytes) lands
-// whole, so a reader that sees both flags equal to the epoch has the whole payload. No fence and no
-// separate signal is needed: data and flag travel together. Payload costs 2x bytes on the wire, so
+// A packet is 16 bytes, {data lo, flag, data hi, sig}: 8 bytes of payload, the call's epoch and its
+// signature, written with one 128-bit volatile store; each 8-byte half (4 data + 4 flag bytes) lands
+// whole, so a reader that sees flag equal to the epoch and sig equal to the signature has the whole
+// payload. No fence and no separate signal is needed: data and flag travel together.
+// The signature is epoch ^ (the call's fingerprint mod 2^32) when the call check is on (desc_off), the
+// epoch itself when it is off. So the check costs nothing on the hot path: packets of a different
+// call (another fingerprint at the same epoch) never look ready, the wait stalls, and the stalled wait
+// reads the producer's descriptor and records the mismatch (poll_pending). The epoch word alone keeps
+// stale packets out, exactly as with the check off; the signature cannot let one in, because a stale
+// packet's flag word already differs. (A packet torn between its halves, the new flag with an old sig
+// of another call, would pass only if the two calls' fingerprints differ by exactly epoch ^ old epoch.)
+// Payload costs 2x bytes on the wire, so
 // the planner uses packets only for small payloads (tuning.packet_max_bytes).
 //
 // Producers PUSH packets into each consumer's receive window (in the consumer's workspace):
@@ -31,9 +39,20 @@ namespace purlin::snac {
 
 // kPacketBytes, kPacketPayload: purlin/encoding.h.
 
-__device__ __forceinline__ void st_packet(char* p, uint64_t data, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(uint32_t(data)), "r"(flag),
-               "r"(uint32_t(data >> 32)), "r"(flag)
+// A packet call's epoch (flag word) and signature (sig word), see above.
+struct Epoch {
+  uint32_t e, sig;
+};
+
+template <bool kCheck>
+__device__ __forceinline__ Epoch call_epoch(const PurlinSnacParams& p, long long before) {
+  const uint32_t e = uint32_t(before + 1);
+  return {e, kCheck && desc_on(p) ? e ^ uint32_t(p.desc_fp) : e};
+}
+
+__device__ __forceinline__ void st_packet(char* p, uint64_t data, Epoch ep) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(uint32_t(data)), "r"(ep.e),
+               "r"(uint32_t(data >> 32)), "r"(ep.sig)
                : "memory");
 }
 
@@ -67,13 +86,13 @@ __device__ __forceinline__ void store_payload(char* dst, size_t j, size_t n, uin
 }
 
 // Window [parity][producer] in `owner`'s workspace.
-__device__ __forceinline__ char* window(const PurlinSnacParams& p, long long owner, long long producer, uint32_t e) {
-  return static_cast<char*>(p.bases[owner]) + p.window_off + ((long long)(e & 1u) * p.world + producer) * p.window_bytes;
+__device__ __forceinline__ char* window(const PurlinSnacParams& p, long long owner, long long producer, Epoch e) {
+  return static_cast<char*>(p.bases[owner]) + p.window_off + ((long long)(e.e & 1u) * p.world + producer) * p.window_bytes;
 }
 
 // PACKET_PUT: w1 src ref, w2 payload bytes, w3 number of consumers, w4.. the consumers (rotated
 // from rank + 1). Each payload word is loaded once and stored to every consumer's window.
-__device__ inline void exec_packet_put(const long long* o, const PurlinSnacParams& p, uint32_t e) {
+__device__ inline void exec_packet_put(const long long* o, const PurlinSnacParams& p, Epoch e) {
   const char* src = resolve(p, o[1]);
   const size_t n = size_t(o[2]);
   const int m = int(o[3]);
@@ -92,7 +111,7 @@ __device__ inline void exec_packet_put(const long long* o, const PurlinSnacParam
   }
 }
 
-__device__ __forceinline__ bool packet_ready(const uint4& v, uint32_t e) { return v.y == e && v.w == e; }
+__device__ __forceinline__ bool packet_ready(const uint4& v, Epoch e) { return v.y == e.e && v.w == e.sig; }
 
 // The producer of a window source ref, or -1 for a direct one.
 __device__ __forceinline__ int window_producer(long long ref) {
@@ -105,7 +124,7 @@ __device__ __forceinline__ int window_producer(long long ref) {
 // of record `o`) or a broken workspace.
 template <bool kCheck>
 __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const long long* o, const char* const* src,
-                                          size_t off, unsigned pending, uint32_t e, long long index, uint4* v) {
+                                          size_t off, unsigned pending, Epoch e, long long index, uint4* v) {
   const long long* err = reinterpret_cast<const long long*>(static_cast<const char*>(p.bases[p.rank]) + p.error_off);
   const unsigned long long t0 = globaltimer();
   for (unsigned n = 1; pending != 0u; ++n) {
@@ -133,7 +152,7 @@ __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const lo
         return false;
       }
       if (dt > static_cast<unsigned long long>(p.timeout_ns)) {
-        record_timeout(p, index, kPacketKind, peer, 0, e, seen);
+        record_timeout(p, index, kPacketKind, peer, 0, e.e, seen);
         return false;
       }
     }
@@ -144,7 +163,7 @@ __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const lo
 // PACKET_REDUCE: sub = op, nsrc = k: w1 dst ref, w2 bytes, w3.. sources in rank order; a source
 // with buf kWindow is the packets that rank pushed into my window, any other is read directly.
 template <class T, atoms::ReduceOp O, bool kCheck>
-__device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
+__device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams& p, Epoch e, long long index) {
   using N = arch::Num<T>;
   using Bits = typename N::Bits;
   using Acc = typename N::Acc;
@@ -162,12 +181,6 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
   }
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
-  // The call check (desc_off): the thread of packet 0 loads each producer's descriptor with its first
-  // packets and compares them once those packets are in (snac/ops.cuh desc_differs).
-  const bool first_thread = kCheck && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;
-  long long first[8];
-#pragma unroll
-  for (int s = 0; s < 8; ++s) first[s] = first_thread && (windows & (1u << s)) ? desc_load(p, window_producer(o[3 + s])) : 0;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     const size_t off = j * kPacketBytes;
     uint4 v[8];
@@ -181,14 +194,6 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
       if ((windows & (1u << s)) && !packet_ready(v[s], e)) pending |= 1u << s;
     }
     if (pending != 0u && !poll_pending<kCheck>(p, o, src, off, pending, e, index, v)) return false;
-    if (first_thread && j == 0) {
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        if ((windows & (1u << s)) && desc_differs(p, first[s], index, kPacketKind, window_producer(o[3 + s]), 0)) {
-          return false;
-        }
-      }
-    }
     Acc acc[kE];
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -212,7 +217,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
 
 // PACKET_COPY: w1 dst ref, w2 bytes, w3 src ref (a window: that producer's packets; else direct).
 template <bool kCheck>
-__device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
+__device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacParams& p, Epoch e, long long index) {
   const size_t n = size_t(o[2]);
   char* dst = resolve(p, o[1]);
   const int peer = window_producer(o[3]);
@@ -220,15 +225,12 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
   if (n == 0 || src[0] == dst) return true;
   const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
-  const bool first_thread = kCheck && peer >= 0 && desc_on(p) && blockIdx.x == 0 && threadIdx.x == 0;  // as packet_reduce
-  const long long first = first_thread ? desc_load(p, peer) : 0;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     uint64_t w;
     if (peer >= 0) {
       const size_t off = j * kPacketBytes;
       uint4 v[1] = {ld_packet(src[0] + off)};
       if (!packet_ready(v[0], e) && !poll_pending<kCheck>(p, o, src, off, 1u, e, index, v)) return false;
-      if (first_thread && j == 0 && desc_differs(p, first, index, kPacketKind, peer, 0)) return false;
       w = uint64_t(v[0].x) | (uint64_t(v[0].z) << 32);
     } else {
       w = load_payload(src[0], j, n);
@@ -239,7 +241,7 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
 }
 
 template <class T, bool kCheck>
-__device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacParams& p, uint32_t e, long long index) {
+__device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacParams& p, Epoch e, long long index) {
   switch (int((o[0] >> 8) & 0xff)) {
     case PURLIN_REDUCE_SUM: return packet_reduce<T, atoms::ReduceOp::kSum, kCheck>(o, p, e, index);
     case PURLIN_REDUCE_MAX: return packet_reduce<T, atoms::ReduceOp::kMax, kCheck>(o, p, e, index);
@@ -255,7 +257,10 @@ __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacPa
 //
 // kCheck: the call check compiled in. The launch picks the instantiation without it when the check is
 // off (native.h desc_off < 0), so the descriptor code then costs nothing (fifth session: with it
-// compiled in but off, the bf16 kernel had 21% more instructions and ran about 1 us slower).
+// compiled in but off, the bf16 kernel had 21% more instructions and ran about 1 us slower). With it,
+// the call costs block 0's descriptor push and the signature in every packet; the descriptor is read
+// only by a stalled wait (poll_pending), never on the hot path (sixth session: before, the thread of
+// packet 0 loaded and compared every producer's descriptor).
 template <class T, bool kCheck>
 __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_kernel(PurlinSnacParams p) {
   char* me = own(p);
@@ -264,7 +269,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
   if (__syncthreads_or(threadIdx.x == 0 && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) {
     return;
   }
-  const uint32_t epoch = uint32_t(before + 1);
+  const Epoch epoch = call_epoch<kCheck>(p, before);
   if constexpr (kCheck) push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = p.ops + i * kOpWords;

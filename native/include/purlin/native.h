@@ -121,6 +121,9 @@ typedef struct PurlinSnacParams {
   // poll) once it completes, and reads it again while it spins past 20 us (kDescAfterNs): the same
   // seq with another fingerprint is a mismatch (error code 3), recorded with both sides'
   // descriptors, and the grid exits as on a timeout. No fence: a slot not yet visible says nothing.
+  // The packet kernel reads no descriptor on its hot path: with desc_off >= 0 a packet's second flag
+  // word is epoch ^ (desc_fp mod 2^32), so another call's packets never look ready and the stalled
+  // wait compares the descriptors (snac/packet.cuh).
   long long desc_off;
   long long desc_seq;                  // the host's call number (frozen in a captured graph)
   long long desc_fp;
