@@ -74,9 +74,9 @@ def describe_info(info: int) -> str:
 def mismatch_message(op: str, rank: int, peer: int, seq: int, mine: str, theirs: str) -> str:
     """The one message of two ranks that made different calls at call number ``seq`` (every engine
     and the loopback launch gate): both sides, as described by :func:`describe_info` or the gate."""
-    return (f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, dtypes, roots or "
-            f"sizes: rank {rank} called {mine}, rank {peer} called {theirs}; every rank must make the same calls "
-            "in the same order")
+    return (f"{op}: rank {rank} and rank {peer} entered call #{seq} with different collectives, reductions, dtypes, "
+            f"roots or sizes: rank {rank} called {mine}, rank {peer} called {theirs}; every rank must make the same "
+            "calls in the same order")
 
 
 def rows_phrase(n: int) -> str:

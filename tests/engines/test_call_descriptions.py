@@ -51,6 +51,6 @@ def test_fold32_and_the_message():
     fp = random.getrandbits(63)
     assert 0 <= fold32(fp) < 1 << 32 and fold32(fp) == (fp ^ (fp >> 32)) & 0xFFFFFFFF
     msg = mismatch_message("all_reduce", 2, 5, 17, "A(x)", "B(y)")
-    assert msg == ("all_reduce: rank 2 and rank 5 entered call #17 with different collectives, dtypes, roots or "
-                   "sizes: rank 2 called A(x), rank 5 called B(y); every rank must make the same calls in the "
-                   "same order")
+    assert msg == ("all_reduce: rank 2 and rank 5 entered call #17 with different collectives, reductions, dtypes, "
+                   "roots or sizes: rank 2 called A(x), rank 5 called B(y); every rank must make the same calls in "
+                   "the same order")

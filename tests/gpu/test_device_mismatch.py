@@ -118,10 +118,11 @@ def test_processes_that_call_differently_get_a_mismatch_naming_both_calls(pair):
         assert kind in ("ok", "PurlinMismatchError", "PurlinBrokenError"), (kind, msg)
 
 
-def _graphs_that_differ(config: dict):
+def _graphs_that_differ(config: dict, second_op: str | None = None):
     """Two virtual ranks warm up the same two calls, then rank 0 captures an all_reduce and rank 1
-    an all_gather as the same call number, and each replays its graph; run_virtual raises what a
-    rank's synchronize raised."""
+    an all_gather as the same call number (``second_op``: an all_reduce of the same tensor with that
+    reduction instead: equal bytes through the same packet plan), and each replays its graph;
+    run_virtual raises what a rank's synchronize raised."""
     import purlin_sglang as ps
 
     barrier, lock, graphs = threading.Barrier(2), threading.Lock(), []  # graphs outlive their replays
@@ -130,8 +131,12 @@ def _graphs_that_differ(config: dict):
         x = torch.randn(4096, device=comm.device).to(torch.bfloat16)
         z = torch.randn(256, device=comm.device)
         y_x, y_z = torch.empty_like(x), torch.empty(512, device=comm.device)
+        if second_op:
+            second = lambda: comm.all_reduce(x, second_op, out=y_x)  # noqa: E731
+        else:
+            second = lambda: comm.all_gather(z, out=y_z)  # noqa: E731
         comm.all_reduce(x, out=y_x)  # warm-up of both calls on both ranks (the same order: the gate agrees)
-        comm.all_gather(z, out=y_z)
+        second()
         comm.synchronize()
         g = torch.cuda.CUDAGraph()
         graphs.append(g)
@@ -140,7 +145,7 @@ def _graphs_that_differ(config: dict):
             if comm.rank == 0:
                 comm.all_reduce(x, out=y_x)
             else:
-                comm.all_gather(z, out=y_z)
+                second()
         barrier.wait()
         g.replay()
         comm.synchronize()
@@ -157,6 +162,18 @@ def test_virtual_ranks_whose_graphs_captured_different_calls_get_a_mismatch():
     secs, msg = time.monotonic() - t0, str(info.value)
     assert secs < 15, (secs, msg)  # not after timeout_s (30 s)
     assert "all_reduce(dtype=bfloat16, 8192 bytes in)" in msg and "all_gather(dtype=float32, 1024 bytes in)" in msg, msg
+
+
+def test_graphs_whose_packet_calls_differ_only_in_the_reduction_get_a_mismatch():
+    """Equal bytes through the same packet plan, both replays launched together: every wait would
+    complete, so only the packets' signature (snac/packet.cuh) can catch it, and it must, every time."""
+    from purlin_sglang.errors import PurlinMismatchError
+
+    for _ in range(3):
+        with pytest.raises(PurlinMismatchError) as info:
+            _graphs_that_differ(CHECKED, second_op="max")
+        msg = str(info.value)
+        assert "all_reduce(dtype=bfloat16, op=max, 8192 bytes in)" in msg, msg
 
 
 def test_the_check_off_leaves_a_mismatch_to_the_timeout():
