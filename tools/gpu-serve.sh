@@ -21,6 +21,7 @@
 #            gloo cannot be captured), then purlin with graphs off, then purlin with decode CUDA graphs on
 #            (the prefill "breakable" graph, SGLang's CUDA default, stays off there)
 #   tp4      TP=4 likewise: gloo reference (graphs off), purlin graphs off, purlin graphs on
+#   tp4ref   only the TP=4 gloo reference (e.g. before tp4p in the same call)
 #   tp4p     only the two purlin TP=4 runs (the reference from an earlier call, compared afterwards;
 #            TP4_EAGER=0: only the decode-graph one, TP4_GRAPH=0: only the eager one)
 #   offline  purlin-sglang bench offline --compare nccl,purlin at TP=1, and at TP=2 with --nccl-free
@@ -195,6 +196,9 @@ for tp in 2 4; do
     serve tp$tp-purlin $tp purlin true tp$tp-nccl -- --mem-fraction-static 0.6 --config configs/purlin-sglang.yaml
   fi
 done
+if has tp4ref; then  # the TP=4 reference alone
+  serve tp4-gloo-ref 4 nccl false "" -- --mem-fraction-static 0.14 --purlin-nccl-free
+fi
 if has tp4p; then  # the purlin TP=4 runs alone (their gloo reference from an earlier call; compare locally)
   [ "${TP4_EAGER:-1}" = 1 ] && serve tp4-purlin-eager 4 purlin false tp4-gloo-ref -- --mem-fraction-static 0.14 \
     --config configs/purlin-sglang-nccl-free.yaml
