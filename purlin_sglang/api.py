@@ -195,22 +195,17 @@ class Communicator:
                      num_experts: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> MoEDispatch:
         """Send every token to the ranks that own its top-k experts; return this rank's expert rows.
 
-        Experts are split contiguously: rank r owns global experts [r*E/W, (r+1)*E/W). ``x`` [T, H]
-        (T may differ per rank, may be 0), ``topk_ids`` [T, K] int32/int64 (-1: no expert, the slot
-        is skipped), ``topk_weights`` [T, K] float. Each token travels once per destination rank.
-        The result's ``x`` holds one row per (token, slot) routed here, grouped by local expert, then
-        source rank, token index, k (see :class:`~purlin_sglang.moe.MoEDispatch`). ``capacity``:
-        a fixed ``world * capacity`` rows per local expert (padding rows have expert -1); more than
-        ``capacity`` rows from one source rank for one expert raise PurlinCapacityError (never
-        silent loss). Without it the rows are sized exactly (eager; on CUDA the call then reads the
-        counts on the host; under graph capture CUDA uses ``capacity = moe.max_tokens_per_rank``).
-        ``dtype=torch.float8_e4m3fn``: FP8 rows with per-token float32 scales in ``.scales``.
-
-        Collective. CPU: blocks the host. CUDA: see docs/DESIGN.md (MoE) for what it blocks and
-        what is capturable. Bad arguments raise PurlinValueError naming the argument; in eager mode
-        the peers learn of it in the call's header exchange and raise too (naming the rank), so a bad
-        call on one rank costs no timeout and the communicator stays usable. Under graph capture
-        the error is this rank's alone (no host exchange there).
+        Rank r owns global experts [r*E/W, (r+1)*E/W). ``x`` [T, H] (T may differ per rank, may be 0),
+        ``topk_ids`` [T, K] int32/int64 (-1: the slot is skipped), ``topk_weights`` [T, K] float. A
+        token travels once per destination rank. The result's ``x``: one row per (token, slot) routed
+        here, grouped by local expert, source rank, token, k (:class:`~purlin_sglang.moe.MoEDispatch`).
+        ``capacity``: ``world * capacity`` rows per local expert (padding rows: expert -1); more rows
+        from one source for one expert raise PurlinCapacityError (never silent loss). Without it the
+        rows are sized exactly (CUDA eager reads the counts on the host; under graph capture CUDA
+        uses ``moe.max_tokens_per_rank``). ``dtype=torch.float8_e4m3fn``: FP8 rows, per-token float32
+        ``.scales``. Collective; what it blocks and captures: docs/DESIGN.md (MoE). A bad argument
+        raises PurlinValueError; eager, the peers raise too, naming the rank (no timeout, the
+        communicator stays usable); under graph capture only this rank raises.
         """
         self._check_usable("moe_dispatch")
         return checked_dispatch(self._moe, x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
@@ -251,13 +246,11 @@ class Communicator:
 
     def _execute(self, ctx: CallContext, sched: Any) -> None:
         """Run one call on the engine; a failure that breaks the engine releases this rank's memory."""
-        gate = self._gate if self._gate is not None and not torch.cuda.is_current_stream_capturing() else None
         try:
-            if gate is not None:
-                gate.enter(self.rank, ctx.seq, ctx.op, ctx.fingerprint, (ctx.dtype, ctx.x.shape))
-            self._engine.execute(sched, ctx)
-            if gate is not None:
-                gate.launched(self.rank, ctx.seq, ctx.op)
+            if self._gate is None:
+                self._engine.execute(sched, ctx)
+            else:  # virtual ranks: the launch gate around it (virtual.py)
+                self._gate.execute(self.rank, ctx, lambda: self._engine.execute(sched, ctx))
         except PurlinError as e:
             if self._engine.broken:
                 # The engine's frames in the traceback hold views of the shared mapping: drop their

@@ -248,6 +248,16 @@ class LaunchGate:
     def launched(self, rank: int, seq: int, op: str) -> None:
         self._meet("launch", rank, seq, op)
 
+    def execute(self, rank: int, ctx: Any, launch: Callable[[], None]) -> None:
+        """``launch()`` (rank ``rank``'s launch of call ``ctx``, an engines.base.CallContext) between
+        :meth:`enter` and :meth:`launched`; under graph capture, where nothing runs, without them."""
+        if torch.cuda.is_current_stream_capturing():
+            launch()
+            return
+        self.enter(rank, ctx.seq, ctx.op, ctx.fingerprint, (ctx.dtype, ctx.x.shape))
+        launch()
+        self.launched(rank, ctx.seq, ctx.op)
+
     def _meet(self, what: str, rank: int, seq: int, op: str) -> None:
         counts = self._counts[what]
         with self._cond:

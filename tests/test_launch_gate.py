@@ -111,3 +111,39 @@ def test_ranks_in_different_calls_are_told_both_sides(as_text):
         assert isinstance(e, PurlinMismatchError) and e.peer == 1 - r, e
         assert f"rank {r} and rank {1 - r} entered call #2" in str(e), e
         assert "all_reduce(dtype=float32, shape=(4,))" in str(e) and "all_gather(dtype=bfloat16, shape=(2, 3))" in str(e)
+
+
+def test_execute_launches_between_the_two_rendezvous_and_not_after_a_mismatch(monkeypatch):
+    """LaunchGate.execute, what Communicator._execute calls for virtual ranks: every rank's launch
+    after all reached the call, every return after all launched; ranks whose calls differ launch nothing."""
+    from purlin_sglang.engines.base import CallContext
+
+    # the gate serves CUDA ranks only; here no capture is in progress (and no GPU need be there)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    world, gate, log, lock = 3, LaunchGate(3, 10), [], threading.Lock()
+    x = torch.zeros(4)
+
+    def body(r):
+        time.sleep(0.002 * r)
+        ctx = CallContext("all_reduce", 1, 7, x.dtype, x, x, 0)
+        with lock:
+            log.append(("reach", r))
+        gate.execute(r, ctx, lambda: log.append(("launch", r)))
+        with lock:
+            log.append(("return", r))
+
+    assert _run(world, body) == [None] * world
+    kinds = [k for k, _ in log]
+    assert kinds.index("launch") > max(i for i, k in enumerate(kinds) if k == "reach"), log
+    assert min(i for i, k in enumerate(kinds) if k == "return") > max(i for i, k in enumerate(kinds) if k == "launch")
+
+    gate2, launched = LaunchGate(2, 10), []
+
+    def body2(r):
+        ctx = CallContext("all_reduce" if r == 0 else "all_gather", 1, 7 + r, x.dtype, x, x, 0)
+        gate2.execute(r, ctx, lambda: launched.append(r))
+
+    errors = _run(2, body2)
+    assert all(isinstance(e, PurlinMismatchError) for e in errors), errors
+    assert launched == []
