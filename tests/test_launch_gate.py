@@ -147,3 +147,36 @@ def test_execute_launches_between_the_two_rendezvous_and_not_after_a_mismatch(mo
     errors = _run(2, body2)
     assert all(isinstance(e, PurlinMismatchError) for e in errors), errors
     assert launched == []
+
+
+def test_communicator_calls_go_through_the_gate(monkeypatch):
+    """The wiring in Communicator._execute: with a gate (CUDA virtual ranks; forced here on CPU virtual
+    ranks, whose CPU engine then runs inside it) every call passes both rendezvous, results unchanged,
+    and ranks that make different calls get the gate's PurlinMismatchError before any launch."""
+    import purlin_sglang as ps
+    from purlin_sglang import virtual
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    seen = []
+    real = LaunchGate.execute
+
+    def counting(self, rank, ctx, launch):
+        seen.append((rank, ctx.seq, ctx.op))
+        return real(self, rank, ctx, launch)
+
+    monkeypatch.setattr(LaunchGate, "execute", counting)
+    init = virtual.VirtualWorld.__init__
+
+    def with_gate(self, world, config, device):
+        init(self, world, config, device)
+        self.gate = LaunchGate(world, 10)
+
+    monkeypatch.setattr(virtual.VirtualWorld, "__init__", with_gate)
+    xs = [torch.randn(5, 3) for _ in range(2)]
+    got = ps.run_virtual(2, lambda c: (c.all_reduce(xs[c.rank].clone()), c.all_gather(xs[c.rank])))
+    for r in range(2):
+        torch.testing.assert_close(got[r][0], xs[0] + xs[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[r][1], torch.cat(xs), rtol=0, atol=0)
+    assert sorted(seen) == [(0, 1, "all_reduce"), (0, 2, "all_gather"), (1, 1, "all_reduce"), (1, 2, "all_gather")]
+    with pytest.raises(PurlinMismatchError):
+        ps.run_virtual(2, lambda c: c.all_reduce(xs[c.rank]) if c.rank == 0 else c.all_gather(xs[c.rank]))
