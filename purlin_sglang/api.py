@@ -171,8 +171,9 @@ class Communicator:
         """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p.
 
         ``input_split_sizes`` / ``output_split_sizes`` (torch.distributed's names) are accepted instead."""
-        input_splits = one_of("input_splits", input_splits, "input_split_sizes", input_split_sizes)
-        output_splits = one_of("output_splits", output_splits, "output_split_sizes", output_split_sizes)
+        input_splits = one_of("all_to_all_v", "input_splits", input_splits, "input_split_sizes", input_split_sizes)
+        output_splits = one_of("all_to_all_v", "output_splits", output_splits, "output_split_sizes",
+                               output_split_sizes)
         return self._run(ALL_TO_ALL_V, x, out, None, None, input_splits, output_splits)
 
     def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:

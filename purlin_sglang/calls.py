@@ -400,10 +400,10 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
-def one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
-    """``value``, or ``alias_value`` where only the alias (torch.distributed's name) was given."""
+def one_of(op: str, name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """``value``, or ``alias_value`` where only the alias (torch.distributed's name) was given to ``op``."""
     if alias_value is None:
         return value
     if value is not None:
-        raise PurlinValueError(f"all_to_all_v: give {name} or {alias}, not both")
+        raise PurlinValueError(f"{op}: give {name} or {alias}, not both")
     return alias_value

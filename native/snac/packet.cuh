@@ -11,8 +11,8 @@
 // stale packets out, exactly as with the check off; the signature cannot let one in, because a stale
 // packet's flag word already differs. (A packet torn between its halves, the new flag with an old sig
 // of another call, would pass only if the two calls' fingerprints differ by exactly epoch ^ old epoch.)
-// Payload costs 2x bytes on the wire, so
-// the planner uses packets only for small payloads (tuning.packet_max_bytes).
+// Payload costs 2x bytes on the wire, so the planner uses packets only for small payloads
+// (tuning.packet_max_bytes).
 //
 // Producers PUSH packets into each consumer's receive window (in the consumer's workspace):
 // window[parity][producer], parity = epoch & 1. The epoch counts the packet calls a block has run:
@@ -120,8 +120,8 @@ __device__ __forceinline__ int window_producer(long long ref) {
 }
 
 // Re-poll packet `off` of the window sources in `pending` (bit s: source s, at src[s]) until each
-// carries epoch e; false on a timeout (recorded, naming the first producer still missing: source s
-// of record `o`) or a broken workspace.
+// carries this call's epoch and signature (e); false on a timeout (recorded, naming the first producer
+// still missing: source s of record `o`) or a broken workspace.
 template <bool kCheck>
 __device__ __forceinline__ bool poll_pending(const PurlinSnacParams& p, const long long* o, const char* const* src,
                                           size_t off, unsigned pending, Epoch e, long long index, uint4* v) {

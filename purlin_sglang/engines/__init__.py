@@ -121,13 +121,16 @@ def check_usable(name: str, engine: Any, moe: Any) -> None:
     if moe is not None:
         moe.check(fatal_only=True)  # only a fatal error an earlier MoE call recorded
     if engine.broken:
-        raise PurlinBrokenError(f"{name}: the communicator is broken by an earlier failure ({engine.broken}); "
-                                "create a new Communicator on every rank")
+        raise _broken(name, engine.broken, "")
 
 
 def closed_error(name: str, broken_reason: str | None) -> PurlinClosedError | PurlinBrokenError:
     """The error of a call on a closed communicator (closed by :meth:`close`, or released when broken)."""
     if broken_reason:
-        return PurlinBrokenError(f"{name}: the communicator is broken by an earlier failure ({broken_reason}); its "
-                                 "memory was released then; create a new Communicator on every rank")
+        return _broken(name, broken_reason, "its memory was released then; ")
     return PurlinClosedError(f"{name}: the communicator is closed; create a new one")
+
+
+def _broken(name: str, reason: str, released: str) -> PurlinBrokenError:
+    return PurlinBrokenError(f"{name}: the communicator is broken by an earlier failure ({reason}); {released}"
+                             "create a new Communicator on every rank")

@@ -191,8 +191,8 @@ _TP1_NO_PURLIN_CODE = textwrap.dedent("""
 def test_a_one_rank_group_runs_no_purlin_code_in_its_collectives():
     """TP=1 with --comm-backend purlin: SGLang's GroupCoordinator returns before any hooked method when
     its world is one rank, so a dense model's decode step (all_reduce, all_gather) runs no purlin code at
-    all and TP=1 throughput cannot differ
-    by purlin's doing (the GPU A/B, docs/RESULTS.md, cannot resolve 2% through the machine's noise)."""
+    all and TP=1 throughput cannot differ by purlin's doing (the GPU A/B, docs/RESULTS.md, cannot
+    resolve 2% through the machine's noise)."""
     r = subprocess.run([sys.executable, "-c", _TP1_NO_PURLIN_CODE, PURLIN_YAML], capture_output=True, text=True,
                        timeout=300)
     out = r.stdout
