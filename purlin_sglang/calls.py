@@ -24,6 +24,7 @@ from .config import PurlinConfig
 from .engines.base import REDUCE_DTYPES, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
+from .snac.planner import largest_push
 from .snac.table import TableInUse, bands_for
 
 logger = logging.getLogger(__name__)
@@ -163,10 +164,11 @@ class CallPath:
         # measured bands (tuning.table), or None: the built-in thresholds
         self.table = table_in_use(config, device, world, placement)
 
-    def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None) -> str:
+    def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None, push: int | None = None) -> str:
         """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
         bytes: the same on every rank (it depends on the config, the world, the device model and the
-        group-wide size)."""
+        group-wide size). ``push``: the group's largest push (``snac.planner.largest_push``), which a
+        V form needs for a packet; without it a V form runs ``oneshot``."""
         if isinstance(spec, str) and spec in CATALOG:
             spec = CATALOG[spec]
         if not isinstance(spec, CollectiveSpec):
@@ -174,7 +176,7 @@ class CallPath:
                                    f"CollectiveSpec, got {spec!r}")
         bands = self.table.bands.get(spec.name) if self.table.bands else None
         return choose_algorithm(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world,
-                                bands=bands)
+                                bands=bands, push=push)
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, len(self.calls), len(self.plans), len(self.schedules), self.maxsize)
@@ -255,7 +257,7 @@ class CallPath:
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)
         named = spec if consume == spec.consume else spec.with_consume(consume)
-        algorithm = self.algorithm(named, nbytes)
+        algorithm = self.algorithm(named, nbytes, largest_push(sizes) if spec.variable else None)
         pkey = (spec, consume, root, algorithm)
         plan = self.plans.get(pkey)
         if plan is None:
@@ -269,8 +271,7 @@ class CallPath:
             if len(self.schedules) > SCHEDULE_CACHE_SIZE:
                 self.schedules.clear()
             self.schedules[skey] = sched
-        fixed_total = None if spec.variable else nbytes
-        fp = fingerprint(plan.key + (str(x.dtype), row_bytes, fixed_total))
+        fp = fingerprint(plan.key + (str(x.dtype), row_bytes, _agreed_sizes(spec, algorithm, sizes, nbytes)))
         call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced,
                     call_info(name, x.dtype, nbytes, plan))
         if key is not None:
@@ -374,6 +375,18 @@ class CallPath:
                     f"{name}: out overlaps x; only all_reduce and broadcast may run in place (out is x)"
                 )
         return out
+
+
+def _agreed_sizes(spec: CollectiveSpec, algorithm: str, sizes: Sizes, nbytes: int) -> Any:
+    """The sizes every rank of a call passes alike, for its fingerprint: a fixed form's input bytes; a
+    packet V form's sizes on its sliced side (every rank's ``sizes``: ranks that disagree on them then
+    get each other's packets refused and a mismatch error); None for a staged V form, whose waits
+    compare the byte counts of each pair instead."""
+    if not spec.variable:
+        return nbytes
+    if algorithm == "packet":
+        return sizes.output if spec.output.sliced else sizes.input
+    return None
 
 
 def _splits_key(splits: Any) -> Any:

@@ -431,3 +431,36 @@ def test_the_stream_lookup_is_torchs_raw_query():
         assert cuda_mod._current_raw_stream is torch._C._cuda_getCurrentRawStream
     else:
         assert cuda_mod._current_raw_stream is cuda_mod._torch_current_stream
+
+
+def test_v_forms_whose_sizes_every_rank_knows_take_packets_with_the_sizes_in_their_fingerprint():
+    """On an engine with packets, all_gather_v and reduce_scatter_v choose the packet protocol from the
+    group's largest push (the same on every rank, whatever this rank's own rows), and their fingerprint
+    carries every rank's sizes: ranks that disagree on ``sizes`` get different fingerprints (their
+    packets' signatures differ, so the device call check reports it). all_to_all_v stays staged."""
+    from purlin_sglang.calls import CallPath
+    from purlin_sglang.collectives import CATALOG
+
+    cfg = PurlinConfig.from_dict(CFG)
+    cpu = torch.device("cpu")
+    paths = [CallPath(r, 2, cpu, cfg, packets=True) for r in range(2)]
+    agv, rsv, a2av = CATALOG["all_gather_v"], CATALOG["reduce_scatter_v"], CATALOG["all_to_all_v"]
+
+    def prep(path, spec, x, ins, outs):
+        return path.prepare(spec, x, None, None if spec.consume.is_copy else "sum", None, ins, outs, None)[0]
+
+    sizes = (0, 5)  # rank 0 gives no row: its own input is empty
+    calls = [prep(p, agv, torch.zeros(sizes[p.rank], 4), None, sizes) for p in paths]
+    assert [c.sched.plan.algorithm for c in calls] == ["packet", "packet"]
+    assert calls[0].fingerprint == calls[1].fingerprint
+    other = prep(paths[1], agv, torch.zeros(5, 4), None, (1, 5))  # rank 1 believes rank 0 gives a row
+    assert other.fingerprint != calls[1].fingerprint
+    calls = [prep(p, rsv, torch.zeros(5, 4), sizes, None) for p in paths]
+    assert [c.sched.plan.algorithm for c in calls] == ["packet", "packet"]
+    assert calls[0].fingerprint == calls[1].fingerprint != prep(paths[0], rsv, torch.zeros(5, 4), (1, 4), None).fingerprint
+    big = (1 << 20) // 16  # rows of 16 bytes: a 1 MiB push, past the window on every rank alike
+    assert [prep(p, agv, torch.zeros((big, 0)[p.rank], 4), None, (big, 0)).sched.plan.algorithm
+            for p in paths] == ["oneshot", "oneshot"]
+    assert prep(paths[0], a2av, torch.zeros(2, 4), (1, 1), (1, 1)).sched.plan.algorithm == "oneshot"
+    staged = [CallPath(r, 2, cpu, cfg, packets=False) for r in range(2)]  # e.g. the CPU engine
+    assert prep(staged[0], agv, torch.zeros(0, 4), None, sizes).sched.plan.algorithm == "oneshot"

@@ -65,7 +65,14 @@ __device__ __forceinline__ uint4 ld_packet(const char* p) {
   return v;
 }
 
-// Payload j (8 bytes) of an n-byte buffer; the tail packet is zero padded.
+// The packets of an n-byte push: at least one. An empty push (a V form's empty slice, planner.py
+// has_packet_form) still carries one packet, and its consumer still waits for it: the window-reuse
+// argument above needs a push between every ordered pair of ranks in every packet call.
+__device__ __forceinline__ size_t packet_count(size_t n) {
+  return n == 0 ? 1 : (n + kPacketPayload - 1) / kPacketPayload;
+}
+
+// Payload j (8 bytes) of an n-byte buffer; the tail packet is zero padded (nothing is read past n).
 __device__ __forceinline__ uint64_t load_payload(const char* src, size_t j, size_t n) {
   const size_t off = j * kPacketPayload;
   if (off + kPacketPayload <= n && (reinterpret_cast<uintptr_t>(src + off) & 7u) == 0) {
@@ -100,7 +107,7 @@ __device__ inline void exec_packet_put(const long long* o, const PurlinSnacParam
   char* win[kMax];
 #pragma unroll
   for (int c = 0; c < kMax; ++c) win[c] = c < m ? window(p, o[4 + c], p.rank, e) : nullptr;
-  const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
+  const size_t packets = packet_count(n);
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     const uint64_t v = load_payload(src, j, n);
@@ -179,7 +186,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
     if (peer >= 0) windows |= 1u << s;
     src[s] = s >= k ? nullptr : peer >= 0 ? window(p, p.rank, peer, e) : resolve(p, o[3 + s]);
   }
-  const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
+  const size_t packets = packet_count(n);
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     const size_t off = j * kPacketBytes;
@@ -222,8 +229,8 @@ __device__ inline bool exec_packet_copy(const long long* o, const PurlinSnacPara
   char* dst = resolve(p, o[1]);
   const int peer = window_producer(o[3]);
   const char* src[1] = {peer >= 0 ? window(p, p.rank, peer, e) : resolve(p, o[3])};
-  if (n == 0 || src[0] == dst) return true;
-  const size_t packets = (n + kPacketPayload - 1) / kPacketPayload;
+  if (src[0] == dst || (n == 0 && peer < 0)) return true;
+  const size_t packets = packet_count(n);
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t j = size_t(blockIdx.x) * blockDim.x + threadIdx.x; j < packets; j += stride) {
     uint64_t w;

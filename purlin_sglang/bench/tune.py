@@ -62,7 +62,9 @@ def candidates(device: str, names: list[str] | None) -> dict[str, tuple[str, ...
     if unknown:
         raise ValueError(f"tune: unknown collective(s) {unknown}; choose from {list(CATALOG)}")
     found = {n: algorithms_of(CATALOG[n], packets=device == "cuda") for n in names or CATALOG}
-    return {n: a for n, a in found.items() if len(a) > 1}
+    # V forms: not tuned (a table's bands are keyed by this rank's input bytes, which differ between
+    # the ranks of a V call; the planner ignores bands for them and uses tuning.packet_max_bytes)
+    return {n: a for n, a in found.items() if len(a) > 1 and not CATALOG[n].variable}
 
 
 def bands(times: dict[int, dict[str, float]]) -> list[list]:

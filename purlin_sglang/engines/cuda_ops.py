@@ -191,21 +191,20 @@ def encode(sched: Schedule, dl: DeviceLayout) -> Encoded:
             # Packet ops need no barriers: thread t handles packets t, t + threads, ... of every
             # packet op, so my own input and output are touched by one thread per element.
             # Consecutive puts of one source become one record: each payload word is loaded once.
-            if op.src.nbytes:
-                last = recs[-1] if recs else None
-                if (last is not None and last[0] == PACKET_PUT and last[1] == _ref(op.src)
-                        and last[2] == op.src.nbytes and last[3] < OP_WORDS - 4):
-                    last.append(op.peer)
-                    last[3] += 1
-                else:
-                    recs.append([PACKET_PUT, _ref(op.src), op.src.nbytes, 1, op.peer])
+            # Every packet op is kept, empty ones too: one empty packet still travels (the lowering
+            # leaves no op in a call that moves nothing; snac/packet.cuh packet_count).
+            last = recs[-1] if recs else None
+            if (last is not None and last[0] == PACKET_PUT and last[1] == _ref(op.src)
+                    and last[2] == op.src.nbytes and last[3] < OP_WORDS - 4):
+                last.append(op.peer)
+                last[3] += 1
+            else:
+                recs.append([PACKET_PUT, _ref(op.src), op.src.nbytes, 1, op.peer])
         elif isinstance(op, PacketCopy):  # dst ref, bytes, src ref (a window, or my own input)
-            if op.dst.nbytes:
+            if op.dst.nbytes or op.src.buf is Buf.WINDOW:
                 recs.append([PACKET_COPY, _ref(op.dst), op.dst.nbytes, _ref(op.src)])
         elif isinstance(op, PacketReduce):
-            rec = _reduce_record(PACKET_REDUCE, op, plan)
-            if op.dst.nbytes:
-                recs.append(rec)
+            recs.append(_reduce_record(PACKET_REDUCE, op, plan))
         elif isinstance(op, WaitDrainAll):
             if any(sent.get((c, i), 0) for c in op.peers for i in range(op.items)):
                 raise PurlinPlanError(f"{spec.name}: internal: drain-all after this call's own notifies")

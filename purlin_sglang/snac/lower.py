@@ -192,10 +192,17 @@ def _window_region(plan: Plan, r: "_Resolver", ref: Ref) -> tuple[int, int]:
 
 def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     """The packet plan: one round, no chunks (each push fits one receive window). A window holds
-    what its producer pushed me, as long as the region it lands in (the naming's sizes agree)."""
+    what its producer pushed me, as long as the region it lands in (the naming's sizes agree).
+
+    Empty pushes and consumes stay (a V form's empty slice): each still moves one packet, because
+    the window-reuse rule needs a push between every ordered pair in every packet call. A call that
+    moves no byte on this rank has no op at all; for every collective with a packet form that holds
+    on every rank alike (planner.largest_push), so no rank's epoch moves."""
     me, world = plan.rank, plan.world
     send, recv = [0] * world, [0] * world
     ops: list[Op] = []
+    if not any(sizes.input) and not any(sizes.output):
+        return Schedule(plan, sizes, (), tuple(send), tuple(recv), 0)
     for s in plan.program.body:
         if isinstance(s, Push):
             off, n = _window_region(plan, r, s.src)

@@ -42,23 +42,39 @@ def consumers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, 
 
 
 def has_packet_form(spec: CollectiveSpec) -> bool:
-    """Whether ``spec`` may run the packet protocol: fixed sizes, and every rank pushes to every other.
+    """Whether ``spec`` may run the packet protocol: every rank pushes to every other, and every rank
+    knows every push's size.
 
-    * V forms never: all ranks must agree on the algorithm without exchanging sizes (a packet call
-      advances every rank's epoch, a staged one does not), and V sizes differ per rank.
+    * Fixed forms: yes. V forms whose sizes every rank passes in full (a packed side and a sliced
+      side: all_gather_v's and reduce_scatter_v's ``sizes``): yes, since all ranks must agree on the
+      algorithm without exchanging sizes (a packet call advances every rank's epoch, a staged one does
+      not), and they choose from the largest push, which each of them can compute. A rank's empty
+      slice still travels as one empty packet (snac/packet.cuh: packet_count).
+    * V forms sliced on both sides (all_to_all_v) never: a rank knows only its own splits.
     * Rooted forms never: a window parity is rewritten two packet calls later, which is safe only
       because each producer, in the packet call in between, waits for packets its consumer sent after
       finishing the earlier call. That needs a push between every ordered pair of ranks in every
       packet call; the root of a rooted input (or the other ranks of a rooted output) would wait
       for nobody and could overwrite a window its reader has not read yet.
     """
-    return not spec.variable and not spec.rooted
+    return not spec.rooted and not (spec.variable and spec.input.sliced and spec.output.sliced)
 
 
 def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> int:
     """The largest single push of a call whose input is ``nbytes`` bytes on this rank: a sliced
-    input sends one slice per consumer (``world`` None counts the whole input: never smaller)."""
+    input sends one slice per consumer (``world`` None counts the whole input: never smaller). For a
+    V form this is this rank's guess only; the call path passes the group's largest push
+    (:func:`largest_push`) instead."""
     return -(-nbytes // world) if spec.input.sliced and world else nbytes
+
+
+def largest_push(sizes) -> int:
+    """The largest push of a call of a collective with a packet form, from ONE rank's lowering sizes
+    (``snac.lower.Sizes``), the same on every rank: a packed input goes whole to every consumer and a
+    sliced one slice by slice, and every such push lands in a region of some rank's output that this
+    rank's sizes name too (a fixed form's slices are equal; a V form with a packet form has every
+    rank's sizes on its sliced side)."""
+    return max(sizes.input + sizes.output, default=0)
 
 
 def algorithms_of(spec: CollectiveSpec, *, packets: bool) -> tuple[str, ...]:
@@ -77,7 +93,8 @@ def band(bands: tuple[tuple[int, str], ...], nbytes: int) -> str:
 
 
 def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
-                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None) -> str:
+                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None,
+                     push: int | None = None) -> str:
     """The regime of one call; ``nbytes``: this rank's input bytes, ``world``: the group size.
 
     ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
@@ -89,19 +106,25 @@ def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPol
     ``bands``: this collective's measured bands from a tuning table (snac/table.py), used under
     ``auto`` for a known ``nbytes`` in place of the thresholds above, where the band's algorithm can
     run (``packet`` needs the protocol and a push that fits the window; else the thresholds decide).
+    Tables hold fixed forms only: a V form's bands are ignored.
+
+    ``push``: the group's largest push (:func:`largest_push`), which a V form must give (its
+    ``nbytes`` differ between ranks); else :func:`packet_push_bytes` of ``nbytes``.
     The answer depends only on its arguments: ranks that agree on them agree on the algorithm."""
     algorithm = policy.algorithm
-    if algorithm == "auto" and bands and nbytes is not None:
+    if push is None and nbytes is not None and not spec.variable:
+        push = packet_push_bytes(spec, nbytes, world)
+    fits = push is not None and push <= PACKET_WINDOW_BYTES
+    if algorithm == "auto" and bands and nbytes is not None and not spec.variable:
         measured = band(bands, nbytes)
         if measured != "packet":
             return measured
-        if packets and has_packet_form(spec) and packet_push_bytes(spec, nbytes, world) <= PACKET_WINDOW_BYTES:
+        if packets and has_packet_form(spec) and fits:
             return "packet"
     if packets and algorithm in ("auto", "packet") and has_packet_form(spec):
         if algorithm == "packet":
             return "packet"
-        limit = min(policy.packet_max_bytes, PACKET_WINDOW_BYTES)
-        if nbytes is not None and packet_push_bytes(spec, nbytes, world) <= limit:
+        if fits and push <= policy.packet_max_bytes:
             return "packet"
     if not _reduces_to_all(spec) or algorithm in ("oneshot", "packet"):
         return "oneshot"
@@ -172,7 +195,8 @@ def make_plan(
 def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
     """A chosen ``algorithm`` must be one that ``spec`` has (what :func:`choose_algorithm` can answer)."""
     if algorithm == "packet" and not has_packet_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no packet form (V forms and rooted collectives stay staged)")
+        raise PurlinPlanError(f"{spec.name}: has no packet form (rooted collectives and all_to_all_v-like V "
+                              "forms stay staged)")
     if algorithm == "twoshot" and not _reduces_to_all(spec):
         raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
                               "packed output on every rank)")

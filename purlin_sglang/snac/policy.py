@@ -7,7 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
-PACKET_WINDOW_BYTES = 64 * 1024  # payload of one push: one rank to another per call (the receive window)
+# Payload of one push, one rank to another per call (the receive window); the windows take
+# 2 parities x world producers x 2 x this per rank (packets are twice their payload): 8 MiB at 8 ranks.
+PACKET_WINDOW_BYTES = 256 * 1024
 
 
 def max_items(world: int) -> int:
@@ -28,8 +30,10 @@ class TuningPolicy(BaseModel):
       for reductions into a packed output on every rank (all_reduce), ``oneshot`` up to
       ``oneshot_max_bytes``, else ``twoshot`` (also when the size is unknown on the host);
       everything else runs ``oneshot``. ``packet`` / ``oneshot`` / ``twoshot`` force one where
-      the collective has it (``packet`` only up to 64 KiB per push, the size of a receive
-      window; larger calls are refused), else ``oneshot``.
+      the collective has it (``packet`` only up to 256 KiB per push, the size of a receive
+      window; larger calls are refused), else ``oneshot``. ``auto`` also takes packets for V forms
+      whose sizes every rank passes whole (all_gather_v, reduce_scatter_v), from the group's largest
+      push; never for all_to_all_v (each rank knows only its own splits) or rooted collectives.
     * ``table``: path of a tuning table (JSON, written by ``purlin-sglang tune``; snac/table.py).
       Under ``auto``, where the table applies (this GPU model or ``cpu``, the communicator's
       placement, the world size, the collective), its measured band for the call's size replaces

@@ -75,7 +75,8 @@ ROOTED = ("broadcast", "gather", "reduce", "scatter")
 
 
 FIXED = tuple(c for c in COLLECTIVES if not c.endswith("_v"))  # the non-V collectives, user specs included
-PACKET_FORMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # snac.has_packet_form
+PACKET_FORMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v",
+                "reduce_scatter_v")  # snac.has_packet_form
 
 
 def user_spec(name: str):
@@ -99,11 +100,24 @@ def v_matrix(world: int, salt: int) -> list[list[int]]:
 
 
 def case(coll: str, dtype=torch.float32, rows: int = 3, width: int = 5, op: str | None = None,
-         seed: int = 0, root: int = 0, salt: int = 0) -> dict:
-    """``rows``: rows per rank slice for sliced inputs (so the call is always valid), else rows of x."""
+         seed: int = 0, root: int = 0, salt: int = 0, vrows: int = 1) -> dict:
+    """``rows``: rows per rank slice for sliced inputs (so the call is always valid), else rows of x.
+    V forms: ``v_sizes`` / ``v_matrix`` of ``salt``, each count times ``vrows`` (0: a call that moves
+    nothing on any rank)."""
     if op is None and coll in REDUCING:
         op = "sum"
-    return dict(coll=coll, dtype=dtype, rows=rows, width=width, op=op, seed=seed, root=root, salt=salt)
+    return dict(coll=coll, dtype=dtype, rows=rows, width=width, op=op, seed=seed, root=root, salt=salt,
+                vrows=vrows)
+
+
+def _vs(c: dict, world: int) -> list[int]:
+    """A V case's per-rank row counts (all_gather_v, reduce_scatter_v)."""
+    return [n * c.get("vrows", 1) for n in v_sizes(world, c["salt"])]
+
+
+def _vm(c: dict, world: int) -> list[list[int]]:
+    """An all_to_all_v case's send matrix."""
+    return [[n * c.get("vrows", 1) for n in row] for row in v_matrix(world, c["salt"])]
 
 
 def _shape(c: dict, rows: int):
@@ -115,11 +129,11 @@ def case_inputs(c: dict, world: int) -> list[torch.Tensor]:
     if coll in ("reduce_scatter", "all_to_all", "scatter"):
         per = [rows * world] * world
     elif coll == "all_gather_v":
-        per = v_sizes(world, c["salt"])
+        per = _vs(c, world)
     elif coll == "reduce_scatter_v":
-        per = [sum(v_sizes(world, c["salt"]))] * world
+        per = [sum(_vs(c, world))] * world
     elif coll == "all_to_all_v":
-        per = [sum(row) for row in v_matrix(world, c["salt"])]
+        per = [sum(row) for row in _vm(c, world)]
     else:
         per = [rows] * world
     return [make_input(c["seed"], p, _shape(c, per[p]), c["dtype"]) for p in range(world)]
@@ -139,9 +153,9 @@ def case_expected(c: dict, world: int, r: int, xs) -> tuple[torch.Tensor, bool]:
     if coll == "all_gather_v":
         return all_gather_v(xs, r), True
     if coll == "reduce_scatter_v":
-        return reduce_scatter_v(xs, r, v_sizes(world, c["salt"]), op), True
+        return reduce_scatter_v(xs, r, _vs(c, world), op), True
     if coll == "all_to_all_v":
-        return all_to_all_v(xs, r, v_matrix(world, c["salt"])), True
+        return all_to_all_v(xs, r, _vm(c, world)), True
     if coll == "broadcast":
         return broadcast(xs, r, root), True
     if coll == "gather":
@@ -164,11 +178,11 @@ def case_call(comm, c: dict, x: torch.Tensor, out):
     if coll == "all_to_all":
         return comm.all_to_all(x, out=out)
     if coll == "all_gather_v":
-        return comm.all_gather_v(x, v_sizes(world, c["salt"]), out=out)
+        return comm.all_gather_v(x, _vs(c, world), out=out)
     if coll == "reduce_scatter_v":
-        return comm.reduce_scatter_v(x, v_sizes(world, c["salt"]), op, out=out)
+        return comm.reduce_scatter_v(x, _vs(c, world), op, out=out)
     if coll == "all_to_all_v":
-        m = v_matrix(world, c["salt"])
+        m = _vm(c, world)
         return comm.all_to_all_v(x, m[r], [m[p][r] for p in range(world)], out=out)
     if coll == "broadcast":
         return comm.broadcast(x, root, out=out)
@@ -220,9 +234,10 @@ def check_case(comm, c: dict, *, paths=("out", "default", "inplace")) -> dict:
 
 
 def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list[dict]:
-    """Every non-V collective at 0 bytes, 1 element, odd byte counts and a full 64 KiB receive window
-    per push (``rows`` is per slice for sliced inputs); ``staged``: V calls (never packets) interleaved;
-    ``large``: and, midway, two payloads past a window (``auto`` stages them; forced packets refuse them)."""
+    """Every non-V collective at 0 bytes, 1 element, odd byte counts and a full 256 KiB receive window
+    per push (``rows`` is per slice for sliced inputs); ``staged``: V calls interleaved (all_to_all_v
+    stays staged; all_gather_v and reduce_scatter_v take packets like the fixed forms); ``large``: and,
+    midway, two payloads past a window (``auto`` stages them; forced packets refuse them)."""
     cases = []
     for i, coll in enumerate(FIXED):
         red = coll in REDUCING
@@ -230,7 +245,7 @@ def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list
                  (torch.float16 if red else torch.int8, 1, None, "max"),  # 2 bytes / 1 byte
                  (torch.bfloat16 if red else torch.uint8, 3, 5, "min"),  # 30 / 15 bytes
                  (torch.float16 if red else torch.int16, 33, 65, "sum"),  # 4290 bytes
-                 (torch.float32, 16, 1024, "max")]  # 65536 bytes: a full window
+                 (torch.float32, 16, 4096, "max")]  # 262144 bytes: a full window (snac.policy)
         cases += [case(coll, dt, rows=rows, width=width, op=op if red else None, seed=seed + 10 * i + j,
                        root=(seed + j) % 2, salt=j) for j, (dt, rows, width, op) in enumerate(sizes)]
     if staged:
@@ -240,5 +255,23 @@ def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list
     if large:
         half = len(cases) // 2
         cases[half:half] = [case("all_reduce", torch.float32, rows=1024, width=80, seed=seed + 200),
-                            case("all_gather", torch.bfloat16, rows=256, width=129, seed=seed + 201)]
+                            case("all_gather", torch.bfloat16, rows=1024, width=129, seed=seed + 201)]
     return cases
+
+
+def v_packet_cases(seed: int) -> list[dict]:
+    """all_gather_v and reduce_scatter_v as packet calls: empty slices among the sizes, calls empty on
+    every rank (``vrows=0``), a largest push of 252 KiB (a window holds 256 KiB: packets only with
+    ``tuning.packet_max_bytes`` raised), a fixed all_reduce and a staged all_to_all_v in between."""
+    out = []
+    for i in range(2):
+        s = seed + 10 * i
+        out += [case("all_gather_v", torch.float32, width=7, seed=s, salt=i),
+                case("reduce_scatter_v", torch.bfloat16, width=33, op="max", seed=s + 1, salt=i + 1),
+                case("all_gather_v", torch.int16, width=3, seed=s + 2, salt=i, vrows=0),
+                case("all_reduce", torch.float32, rows=2, width=5, seed=s + 3),
+                case("reduce_scatter_v", torch.float32, width=5, seed=s + 4, salt=i, vrows=0),
+                case("all_to_all_v", torch.float32, width=3, seed=s + 5, salt=i),
+                case("all_gather_v", torch.float32, width=1024, seed=s + 6, salt=i + 2, vrows=21),
+                case("reduce_scatter_v", torch.float16, width=2048, op="sum", seed=s + 7, salt=i, vrows=21)]
+    return out

@@ -17,7 +17,9 @@ import torch
 
 import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
-from purlin_sglang.testing.collectives import COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases
+from purlin_sglang.testing.collectives import (
+    COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases, v_packet_cases,
+)
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang import native
 from purlin_sglang.engines import cuda as cuda_mod
@@ -264,10 +266,13 @@ SEED = int.from_bytes(os.urandom(3), "little")  # fresh inputs every run; named 
 @pytest.mark.parametrize("algorithm", ["packet", "auto"])
 def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm):
     """The encoded packet tables (PACKET_PUT / PACKET_COPY / PACKET_REDUCE) of every collective with a
-    packet form, bitwise the torch reference, out= and in place, interleaved with staged calls; the
-    rooted ones (broadcast in place included) run staged."""
-    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": {"algorithm": algorithm}}
-    cases = packet_cases(SEED + world, large=algorithm == "auto")  # auto: and payloads past a window
+    packet form (all_gather_v and reduce_scatter_v with empty slices among them), bitwise the torch
+    reference, out= and in place, interleaved with staged calls; the rooted ones (broadcast in place
+    included) and all_to_all_v run staged."""
+    # auto: a full window takes packets too (packet_max_bytes raised to the window), payloads past it stage
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20,
+           "tuning": {"algorithm": algorithm, "packet_max_bytes": PACKET_MAX_BYTES}}
+    cases = packet_cases(SEED + world, large=algorithm == "auto")
     _RAN.clear()
     try:
         ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases],
@@ -282,6 +287,28 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
         want["all_reduce"].add("twoshot")
         want["all_gather"].add("oneshot")
     assert ran == want
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("raised", [False, True])
+def test_v_packet_tables_with_empty_slices(sim, world, raised):
+    """all_gather_v and reduce_scatter_v take packets under auto: empty slices travel as one empty
+    packet each way, calls empty on every rank run no op, a 252 KiB push takes packets only with
+    packet_max_bytes raised to the window (else it stages); bitwise the torch reference, with a fixed
+    packet all_reduce and a staged all_to_all_v in between."""
+    tuning = {"packet_max_bytes": PACKET_MAX_BYTES} if raised else {}
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": tuning}
+    cases = v_packet_cases(SEED + world)
+    _RAN.clear()
+    try:
+        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out",)) for c in cases], config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    ran = {}
+    for name, alg in _RAN:
+        ran.setdefault(name, set()).add(alg)
+    v = {"packet"} if raised else {"packet", "oneshot"}
+    assert ran == {"all_gather_v": v, "reduce_scatter_v": v, "all_reduce": {"packet"}, "all_to_all_v": {"oneshot"}}
 
 
 def test_packet_epochs_alternate_windows_over_many_calls(sim):

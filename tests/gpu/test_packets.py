@@ -2,7 +2,8 @@
 (all_reduce, all_gather, reduce_scatter, all_to_all) runs PACKET_PUT / PACKET_COPY / PACKET_REDUCE
 tables, bitwise the CPU engine (which runs oneshot for the same calls), at edge sizes, every copy
 dtype, every reduce op, in place, and in one sequence with staged calls. The collectives without a
-packet form (V, rooted: broadcast in place included) run staged in the same sequences.
+packet form (all_to_all_v, rooted: broadcast in place included) run staged in the same sequences;
+all_gather_v and reduce_scatter_v take packets, empty slices among them.
 Short on purpose (device time is scarce): a handful of check() calls, each one sequence of calls."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from _engine_check import CFG, SEED, check  # noqa: E402
-from purlin_sglang.testing.collectives import COPY_DTYPES, OPS, case, packet_cases  # noqa: E402
+from purlin_sglang.testing.collectives import COPY_DTYPES, OPS, case, packet_cases, v_packet_cases  # noqa: E402
+from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,3 +46,13 @@ def test_auto_packets_interleaved_with_staged_calls(world):
     """auto: the small calls take packets; payloads past a window stage (oneshot / twoshot) in between,
     so windows and staging alternate within one sequence."""
     check(world, packet_cases(SEED + 50 + world, large=True))
+
+
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("raised", [False, True])
+def test_v_forms_take_packets_with_empty_slices(world, raised):
+    """all_gather_v and reduce_scatter_v under auto: empty slices (one empty packet each way), calls
+    empty on every rank, a 252 KiB push (packets with packet_max_bytes raised to the window, else
+    staged), a fixed packet all_reduce and a staged all_to_all_v in between; bitwise the CPU engine."""
+    cfg = {**CFG, "tuning": {"packet_max_bytes": PACKET_WINDOW_BYTES}} if raised else CFG
+    check(world, v_packet_cases(SEED + world), config=cfg, inplace=False)

@@ -317,8 +317,12 @@ PACKET_OPS = (PacketPut, PacketCopy, PacketReduce)
 
 
 def _moves_packets(op) -> bool:
-    """A packet op the CUDA encoder keeps (it drops empty ones; a call with none leaves the epoch)."""
-    return isinstance(op, PACKET_OPS) and (op.src if isinstance(op, PacketPut) else op.dst).nbytes > 0
+    """A packet op the CUDA encoder keeps, as the kernel runs it: an empty one still moves one packet
+    (the lowering leaves no packet op in a call that moves nothing; a call with none leaves the epoch),
+    except a copy of 0 bytes from my own input, which the encoder drops."""
+    if isinstance(op, PacketCopy):
+        return op.dst.nbytes > 0 or op.src.buf is Buf.WINDOW
+    return isinstance(op, PACKET_OPS)
 
 
 def _window_srcs(op) -> list[Span]:
@@ -524,13 +528,13 @@ class _Sim:
             self._write(r, op.dst, self._read(r, op.src))
         elif isinstance(op, Reduce):
             self._reduce(r, op, [self._read(r, s) for s in op.srcs])
-        elif isinstance(op, PacketPut):
-            if op.src.nbytes:
-                self._push(r, op)
+        elif isinstance(op, PacketPut):  # an empty push still lands (one empty packet)
+            self._push(r, op)
         elif isinstance(op, (PacketCopy, PacketReduce)):
+            srcs = (op.src,) if isinstance(op, PacketCopy) else op.srcs
+            parts = [self._pull(r, x) if x.buf is Buf.WINDOW else None for x in srcs]  # empty ones too
             if op.dst.nbytes:
-                srcs = (op.src,) if isinstance(op, PacketCopy) else op.srcs
-                parts = [self._pull(r, x) if x.buf is Buf.WINDOW else self._read(r, x) for x in srcs]
+                parts = [self._read(r, x) if p is None else p for x, p in zip(srcs, parts)]
                 if isinstance(op, PacketCopy):
                     if op.src.nbytes != op.dst.nbytes:
                         raise ProtocolError(f"{self._where(r)}: packet copy of unequal spans {op.src} -> {op.dst}")

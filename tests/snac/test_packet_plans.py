@@ -1,7 +1,8 @@
 """The packet protocol's plans (latency regime): which collectives have a packet form, the plan
 derived from the naming (pushes into receive windows, one copy per producer or one reduce in rank
-order), its lowering at edge sizes (0 bytes, 1 byte, odd counts, a full 64 KiB window), the regime
-choice, and the window-reuse rule that keeps rooted collectives off packets."""
+order), its lowering at edge sizes (0 bytes, 1 byte, odd counts, a full receive window), the V forms
+whose sizes every rank knows (empty slices still push one packet), the regime choice, and the
+window-reuse rule that keeps rooted collectives off packets."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from purlin_sglang.snac import (
     Buf, ConsumeStep, PacketCopy, PacketPut, PacketReduce, Plan, Push, RankProgram, TuningPolicy, choose_algorithm,
     has_packet_form, lower, make_plan,
 )
-from purlin_sglang.snac.planner import _packet
+from purlin_sglang.snac.planner import _packet, largest_push
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
 
 ALL_SPECS = sorted(S.NAMED_SPECS.values(), key=lambda s: s.name) + S.all_valid_namings()
@@ -30,13 +31,14 @@ def _lowered(spec, world, nbytes, policy=FORCED):
     return S.lower_all(spec, world, None, sizes, staging_bytes=STAGING, policy=policy), sizes
 
 
-def test_packet_forms_are_the_fixed_size_collectives_without_a_root():
+def test_packet_forms_are_the_collectives_without_a_root_whose_sizes_every_rank_knows():
     assert {n for n, s in CATALOG.items() if has_packet_form(s)} == {
-        "all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v"}
     assert not any(has_packet_form(s) for s in S.USER_SPECS.values())  # gather, reduce, scatter (V too)
-    for spec in ALL_SPECS:
-        assert has_packet_form(spec) == (not spec.variable and not spec.rooted), spec
-    assert len(PACKET_SPECS) >= 6  # the catalog's four plus user namings like them
+    for spec in ALL_SPECS:  # all_to_all_v-like namings: a rank knows only its own splits
+        both_sliced_v = spec.variable and spec.input.sliced and spec.output.sliced
+        assert has_packet_form(spec) == (not spec.rooted and not both_sliced_v), spec
+    assert len(PACKET_SPECS) >= 8  # the catalog's six plus user namings like them
 
 
 @pytest.mark.parametrize("spec", PACKET_SPECS, ids=lambda s: s.name)
@@ -77,6 +79,9 @@ def test_lowered_packet_schedules_at_edge_sizes(spec, nbytes):
         scheds, sizes = _lowered(spec, world, nbytes)
         for r, sched in enumerate(scheds):
             ops = sched.ops
+            if nbytes == 0:  # a call that moves nothing has no op: no rank's epoch moves
+                assert ops == () and sched.send_bytes == (0,) * world == sched.recv_bytes
+                continue
             assert all(isinstance(op, (PacketPut, PacketCopy, PacketReduce)) for op in ops)
             puts = [op for op in ops if isinstance(op, PacketPut)]
             assert sorted(op.peer for op in puts) == [c for c in range(world) if c != r]  # one region each
@@ -119,20 +124,106 @@ def test_collectives_without_a_packet_form_run_oneshot_even_when_packets_are_for
         assert make_plan(spec, 4, 1, root=root, nbytes=64, staging_bytes=STAGING, policy=FORCED).algorithm == "oneshot"
 
 
+V_PACKET_SPECS = [CATALOG["all_gather_v"], CATALOG["reduce_scatter_v"]]
+
+
+def _v_sizes(spec, world, rows):
+    """Every rank's sizes of a V call in which rank (or slice) p carries ``rows[p]`` bytes."""
+    m = [[rows[c] if spec.input.sliced else rows[p] for c in range(world)] for p in range(world)]
+    return S.consistent_sizes(spec, world, None, m, [[0] * world] * world)
+
+
+@pytest.mark.parametrize("spec", V_PACKET_SPECS, ids=lambda s: s.name)
+def test_v_forms_push_empty_slices_as_packets(spec):
+    """A V call with empty slices keeps every push and every window read (one empty packet each way:
+    the window-reuse rule); a V call empty on every rank has no op on any rank; every rank computes
+    the same largest push, which decides the algorithm alike on all of them."""
+    world, rows = 4, [0, 24, 0, 8]
+    scheds = S.lower_all(spec, world, None, _v_sizes(spec, world, rows), staging_bytes=STAGING, policy=FORCED)
+    for r, sched in enumerate(scheds):
+        puts = [op for op in sched.ops if isinstance(op, PacketPut)]
+        assert sorted(op.peer for op in puts) == [c for c in range(world) if c != r]
+        assert [op.src.nbytes for op in puts] == [rows[op.peer if spec.input.sliced else r] for op in puts]
+        reads = sorted(x.rank for op in sched.ops if not isinstance(op, PacketPut)
+                       for x in ((op.src,) if isinstance(op, PacketCopy) else op.srcs) if x.buf is Buf.WINDOW)
+        assert reads == [p for p in range(world) if p != r]
+        assert largest_push(sched.sizes) == 24
+    for r, sched in enumerate(S.lower_all(spec, world, None, _v_sizes(spec, world, [0] * world),
+                                          staging_bytes=STAGING, policy=FORCED)):
+        assert sched.ops == () and largest_push(sched.sizes) == 0
+
+
+@pytest.mark.parametrize("spec", V_PACKET_SPECS, ids=lambda s: s.name)
+def test_v_forms_choose_packets_from_the_groups_largest_push(spec):
+    auto, small = TuningPolicy(), TuningPolicy(packet_max_bytes=4096)
+    for push, policy, want in ((0, auto, "packet"), (4096, small, "packet"), (4097, small, "oneshot"),
+                               (PACKET_WINDOW_BYTES, auto, "oneshot"),  # past packet_max_bytes (64 KiB)
+                               (PACKET_WINDOW_BYTES, TuningPolicy(packet_max_bytes=PACKET_WINDOW_BYTES), "packet"),
+                               (PACKET_WINDOW_BYTES + 1, FORCED, "packet")):  # forced: the lowering refuses it
+        assert choose_algorithm(spec, 8, policy, packets=True, world=4, push=push) == want, (push, policy)
+    # without the group's push (what one rank's input says is not the group's), a V form stays staged
+    assert choose_algorithm(spec, 8, auto, packets=True, world=4) == "oneshot"
+    assert choose_algorithm(spec, 8, auto, packets=False, world=4, push=8) == "oneshot"  # e.g. the CPU engine
+    # a tuning table's bands are keyed by this rank's input bytes: never applied to a V form
+    assert choose_algorithm(spec, 8, auto, packets=True, world=4, push=8, bands=((1 << 30, "oneshot"),)) == "packet"
+    with pytest.raises(PurlinPlanError, match=f"at most {PACKET_WINDOW_BYTES} bytes per call"):
+        S.lower_all(spec, 3, None, _v_sizes(spec, 3, [0, PACKET_WINDOW_BYTES + 8, 8]), staging_bytes=STAGING,
+                    policy=FORCED)
+
+
+def test_all_to_all_v_never_takes_packets():
+    spec = CATALOG["all_to_all_v"]
+    assert choose_algorithm(spec, 8, FORCED, packets=True, world=4, push=8) == "oneshot"
+    assert choose_algorithm(spec, 8, TuningPolicy(), packets=True, world=4, push=8) == "oneshot"
+    with pytest.raises(PurlinPlanError, match="has no packet form"):
+        make_plan(spec, 4, 0, staging_bytes=STAGING, algorithm="packet")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("stick", [0.0, 1.0])
+def test_back_to_back_v_packet_calls_with_empty_slices_never_overwrite_an_unread_window(world, stick):
+    """V packet calls whose slices are empty for some ranks (one empty packet each way), calls empty
+    on every rank (no op, no epoch) and fixed packet calls, back to back: the simulator lets ranks run
+    ahead and checks every window read and every overwrite."""
+    rng = np.random.default_rng(100 + world)
+    calls = []
+    for i, spec in enumerate([CATALOG["all_gather_v"], CATALOG["reduce_scatter_v"], ALL_REDUCE,
+                              CATALOG["all_gather_v"], CATALOG["reduce_scatter_v"], ALL_GATHER] * 2):
+        if spec.variable:
+            rows = [0] * world if i == 3 else [8 * ((p + i) % 3) for p in range(world)]  # zeros among them
+            sizes = _v_sizes(spec, world, rows)
+        else:
+            sizes = S.consistent_sizes(spec, world, None, [[24] * world] * world, [[0] * world] * world)
+        dtype = None if spec.consume.is_copy else np.float32
+        scheds = S.lower_all(spec, world, None, sizes, staging_bytes=4096, policy=FORCED)
+        inputs = S.make_inputs(sizes, dtype, rng)
+        calls.append(S.CallSetup(scheds, inputs, S.reference_outputs(spec, world, None, sizes, inputs, dtype),
+                                 dtype, spec.name))
+    for seed in range(4):
+        S.simulate(calls, world=world, staging_bytes=4096, seed=seed, stickiness=stick)
+
+
 def test_auto_takes_packets_while_the_largest_push_fits():
     auto, small = TuningPolicy(), TuningPolicy(packet_max_bytes=4096)
+    whole = TuningPolicy(packet_max_bytes=PACKET_WINDOW_BYTES)
+    m = auto.packet_max_bytes
+    assert m == 64 * 1024 < PACKET_WINDOW_BYTES  # the default threshold, below the window
     for spec in (ALL_GATHER, ALL_REDUCE):  # a packed input: the push is the whole input
-        assert choose_algorithm(spec, PACKET_WINDOW_BYTES, auto, packets=True, world=8) == "packet"
-        assert choose_algorithm(spec, PACKET_WINDOW_BYTES + 1, auto, packets=True, world=8) == "oneshot"
+        assert choose_algorithm(spec, m, auto, packets=True, world=8) == "packet"
+        assert choose_algorithm(spec, m + 1, auto, packets=True, world=8) == "oneshot"
+        assert choose_algorithm(spec, PACKET_WINDOW_BYTES, whole, packets=True, world=8) == "packet"
+        assert choose_algorithm(spec, PACKET_WINDOW_BYTES + 1, whole, packets=True, world=8) != "packet"
         assert choose_algorithm(spec, 4096, small, packets=True, world=8) == "packet"
         assert choose_algorithm(spec, 4097, small, packets=True, world=8) == "oneshot"
         assert choose_algorithm(spec, 0, auto, packets=True, world=8) == "packet"
         assert choose_algorithm(spec, 8, auto, packets=False, world=8) == "oneshot"  # e.g. the CPU engine
     for spec in (REDUCE_SCATTER, ALL_TO_ALL):  # a sliced input: one slice per consumer
-        assert choose_algorithm(spec, 8 * PACKET_WINDOW_BYTES, auto, packets=True, world=8) == "packet"
-        assert choose_algorithm(spec, 8 * PACKET_WINDOW_BYTES + 8, auto, packets=True, world=8) == "oneshot"
+        assert choose_algorithm(spec, 8 * m, auto, packets=True, world=8) == "packet"
+        assert choose_algorithm(spec, 8 * m + 8, auto, packets=True, world=8) == "oneshot"
+        assert choose_algorithm(spec, 8 * PACKET_WINDOW_BYTES, whole, packets=True, world=8) == "packet"
+        assert choose_algorithm(spec, 8 * PACKET_WINDOW_BYTES + 8, whole, packets=True, world=8) == "oneshot"
         assert choose_algorithm(spec, 3 * 4096 + 1, small, packets=True, world=3) == "oneshot"  # rounded up
-        assert choose_algorithm(spec, 2 * PACKET_WINDOW_BYTES, auto, packets=True) == "oneshot"  # no world: whole
+        assert choose_algorithm(spec, 2 * m, auto, packets=True) == "oneshot"  # no world: whole
         assert choose_algorithm(spec, None, auto, packets=True, world=8) == "oneshot"
     assert choose_algorithm(ALL_REDUCE, None, auto, packets=True, world=8) == "twoshot"
     assert choose_algorithm(ALL_GATHER, 1 << 20, FORCED, packets=True, world=2) == "packet"  # lowering refuses it

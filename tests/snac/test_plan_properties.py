@@ -156,7 +156,8 @@ def test_reduce_sources_are_every_producer_once_in_rank_order(spec, data):
     prods = S.producers(w.spec, w.world, w.root)
     for r, sched in enumerate(w.schedules):
         reduces = _ops(sched, (Reduce, PacketReduce))
-        if r in S.consumers(w.spec, w.world, w.root) or sched.plan.algorithm == "twoshot":
+        empty_packet_call = sched.plan.algorithm == "packet" and not sched.ops  # moves nothing: no op
+        if (r in S.consumers(w.spec, w.world, w.root) or sched.plan.algorithm == "twoshot") and not empty_packet_call:
             assert reduces, f"rank {r} reduces nothing"
         remote = Buf.WINDOW if sched.plan.algorithm == "packet" else Buf.STAGE
         for op in reduces:

@@ -13,6 +13,7 @@ import pytest
 import simulator as S
 from purlin_sglang.collectives import ALL_REDUCE, CATALOG, CollectiveSpec
 from purlin_sglang.errors import PurlinPlanError
+from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
 from purlin_sglang.snac import (
     ALIGN, Ack, ConsumeStep, Drain, DrainAll, Notify, Sizes, Stage, TuningPolicy, Wait, WaitDrainAll,
     choose_algorithm, lower, make_plan,
@@ -378,9 +379,10 @@ def test_packet_plan_pushes_to_every_peer_rotated_and_reduces_in_rank_order():
 
 def test_packet_plan_refuses_payloads_larger_than_a_window():
     plan = make_plan(ALL_REDUCE, 2, 0, nbytes=None, staging_bytes=STAGING, policy=TuningPolicy(algorithm="packet"))
-    lower(plan, Sizes((65536,), (65536,)))
-    with pytest.raises(PurlinPlanError, match="at most 65536 bytes per call"):
-        lower(plan, Sizes((65552,), (65552,)))
+    w = PACKET_WINDOW_BYTES
+    lower(plan, Sizes((w,), (w,)))
+    with pytest.raises(PurlinPlanError, match=f"at most {w} bytes per call"):
+        lower(plan, Sizes((w + 16,), (w + 16,)))
 
 
 def test_packet_choice_needs_an_engine_with_packets_and_a_small_payload():
