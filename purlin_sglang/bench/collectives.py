@@ -24,7 +24,7 @@ from .args import csv_list, size_arg, sizes_arg, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .environment import environment
 from .purlin_runner import Options, run_purlin
-from .rows import error_row, make_row
+from .rows import add_plan, error_row, make_row
 
 H200_L2 = 60 << 20
 BASELINES = ("nccl", "symm_mem", "sglang", "gloo")
@@ -158,9 +158,10 @@ def run(args: argparse.Namespace) -> int:
                     res = [pr[1][ci] for pr in per_rank]
                     samples = [max(t) for t in zip(*(x["samples"] for x in res))]
                     worst = max(x["err"] for x in res)
-                    rows.append(make_row("purlin", engine, case, mode, args.dtype, samples,
-                                         all(x["ok"] for x in res), all(x["exact"] for x in res), worst,
-                                         res[0]["buffers"], floor))
+                    row = make_row("purlin", engine, case, mode, args.dtype, samples, all(x["ok"] for x in res),
+                                   all(x["exact"] for x in res), worst, res[0]["buffers"], floor)
+                    add_plan(row, [x.get("algorithm") for x in res], [x.get("plan_bytes") for x in res])
+                    rows.append(row)
     if args.baselines:
         from .baselines import run_baselines
 
@@ -207,7 +208,7 @@ def format_table(rows: list[dict], floor: dict | None = None) -> str:
     head = (f"{'collective':<17}{'impl':<20}{'mode':<6}{'world':>5}{'bytes':>8}{'median us':>11}{'p10':>10}"
             f"{'p90':>10}{'algbw':>9}{'busbw':>9}{'correct':>8}")
     if floor:
-        head += f"{'floor us':>10}{'of floor':>9}"
+        head += f"{'floor us':>10}{'of floor':>9}{'plan max':>9}  algorithm"
     lines = [head]
     for r in rows:
         impl = f"purlin-{r['engine']}" if r["impl"] == "purlin" and r.get("engine") else r["impl"]
@@ -219,9 +220,13 @@ def format_table(rows: list[dict], floor: dict | None = None) -> str:
                 f"{r['time_us_median']:>11.1f}{r['time_us_p10']:>10.1f}{r['time_us_p90']:>10.1f}"
                 f"{_bw(r['algbw_GBps'])}{_bw(r['busbw_GBps'])}{'yes' if r['correct'] else 'NO':>8}")
         if floor and "floor_us" in r:
-            line += f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}"
+            best = r.get("plan_of_floor_max")
+            line += (f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}{best:>9.2f}" if best else
+                     f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}{'-':>9}") + f"  {r.get('algorithm') or '-'}"
         lines.append(line)
     lines.append("(times in us; algbw/busbw in GB/s, nccl-tests convention; median/p10/p90 over iterations, "
-                 "slowest rank per iteration)")
+                 "slowest rank per iteration" + ("; plan max: the best 'of floor' the plan can reach, floor bytes / "
+                                                 "bytes the plan reads and writes (bench/traffic.py)" if floor else "")
+                 + ")")
     return "\n".join(lines)
 

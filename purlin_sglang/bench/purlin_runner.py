@@ -21,6 +21,7 @@ from . import cases as _cases
 from .cases import Case, fresh_input, purlin_call
 from .metrics import human_bytes
 from .timing import sync, time_each, time_graph_replays
+from .traffic import last_call
 
 
 @dataclass
@@ -80,6 +81,7 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             barrier.wait()
             where[r] = (case, "checked call")
             got = purlin_call(comm, case, xs[0], out)
+            algorithm, moved = last_call(comm, case.out_numel)  # this case's call: a new shape, filed last
             sync(stream)
             with check_lock:
                 ok, exact, err = _cases.check(case, got, [board[(ci, p)] for p in range(world)], r)
@@ -99,7 +101,8 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             else:
                 samples = graph_samples(comm, step, stream, side, barrier, opts,
                                          lambda stage, r=r, c=case: where.__setitem__(r, (c, stage)))
-            mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf})
+            mine.append({"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf,
+                         "algorithm": algorithm, "plan_bytes": moved})
             if r == 0:
                 sys.stderr.write(f"  purlin {mode:<5} world {world} {collective:<16} {human_bytes(case.nbytes):>6} "
                                  f"{'ok' if ok else 'WRONG'}\n")

@@ -30,6 +30,17 @@ def make_row(impl: str, engine: str, case, mode: str, dtype: str, samples: list[
     return row
 
 
+def add_plan(row: dict[str, Any], algorithms: list, plan_bytes: list) -> None:
+    """The algorithm purlin ran (rank 0's; the ranks agree) and the bytes its plan moves over all ranks
+    (bench/traffic.py), with ``floor_bytes`` (every input read once, every output written once) and
+    ``plan_of_floor_max`` = floor bytes / plan bytes: the best ``of_floor`` this plan can reach."""
+    row["algorithm"] = algorithms[0] if algorithms else None
+    if plan_bytes and all(b is not None for b in plan_bytes):
+        row["plan_bytes"] = sum(plan_bytes)
+        row["floor_bytes"] = row["world"] * (row["in_bytes"] + row["out_bytes"])
+        row["plan_of_floor_max"] = row["floor_bytes"] / row["plan_bytes"] if row["plan_bytes"] else None
+
+
 def error_row(impl: str, case, mode: str, dtype: str, error: str) -> dict[str, Any]:
     return {"impl": impl, "engine": None, "collective": case.collective, "world": case.world,
             "bytes": case.nbytes, "requested_bytes": case.nominal, "mode": mode, "dtype": dtype,

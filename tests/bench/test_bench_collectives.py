@@ -98,6 +98,10 @@ def test_tiny_cpu_run(tmp_path, capsys):
         assert r["time_us_p10"] <= r["time_us_median"] <= r["time_us_p90"]
         assert r["busbw_GBps"] == pytest.approx(
             r["algbw_GBps"] * metrics.busbw_factor(r["collective"], 2))
+        # the algorithm the CPU engine ran (it has no packets) and what its plan moves (bench/traffic.py)
+        assert r["algorithm"] == "oneshot" and r["plan_bytes"] > 0
+        assert r["floor_bytes"] == 2 * (r["in_bytes"] + r["out_bytes"])
+        assert 0 < r["plan_of_floor_max"] <= 1.0
     assert "all_to_all_v" in text.out and "16 of 16 results correct" in text.out
     assert "purlin eager world 2 all_reduce" in text.err  # progress goes to stderr
 

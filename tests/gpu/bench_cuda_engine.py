@@ -18,15 +18,18 @@ import purlin_sglang as ps
 from purlin_sglang.snac import Copy, Reduce
 
 
-def plan_bytes(sched) -> int:
-    """HBM bytes one rank's schedule reads plus writes (copies 2n, reductions (k + 1) n)."""
-    total = 0
-    for op in sched.ops:
-        if isinstance(op, Copy) and op.dst.nbytes and op.dst != op.src:
-            total += 2 * op.dst.nbytes
-        elif isinstance(op, Reduce):
-            total += (len(op.srcs) + 1) * op.dst.nbytes
-    return total
+try:
+    from purlin_sglang.bench.traffic import plan_bytes  # packet ops counted too
+except ImportError:  # a baseline build before bench/traffic.py: copies and reductions only
+    def plan_bytes(sched) -> int:
+        """HBM bytes one rank's schedule reads plus writes (copies 2n, reductions (k + 1) n)."""
+        total = 0
+        for op in sched.ops:
+            if isinstance(op, Copy) and op.dst.nbytes and op.dst != op.src:
+                total += 2 * op.dst.nbytes
+            elif isinstance(op, Reduce):
+                total += (len(op.srcs) + 1) * op.dst.nbytes
+        return total
 
 
 def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict, timings: int = 1) -> dict:
@@ -71,6 +74,45 @@ def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict, tim
             "plan_hbm_GBps": moved / (us * 1e-6) / 1e9, "algbw_GBps": nbytes / (us * 1e-6) / 1e9}
 
 
+def floor_case(world: int, nbytes: int, calls: int, replays: int, timings: int = 1) -> dict:
+    """The graph floor of the loopback timing with no collective: each rank captures ``calls`` copies of
+    ``nbytes`` (``out.copy_(x)``, one small kernel each) in its own graph, and the ranks replay them
+    concurrently on their own streams, timed as graph_case times a collective. What a call costs here
+    is launch and scheduling of one graph node with ``world`` rank streams sharing one GPU, and no
+    cross-rank wait; a packet call's time above it is the exchange."""
+    barrier = threading.Barrier(world)
+    lock = threading.Lock()
+
+    def fn(comm):
+        x = torch.randn(nbytes // 2, device=comm.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        out.copy_(x)
+        comm.synchronize()
+        g = torch.cuda.CUDAGraph()
+        barrier.wait()
+        with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+            for _ in range(calls):
+                out.copy_(x)
+        barrier.wait()
+        g.replay()
+        comm.synchronize()
+        got = []
+        for _ in range(timings):
+            barrier.wait()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(replays):
+                g.replay()
+            e.record()
+            comm.synchronize()
+            got.append(s.elapsed_time(e) * 1e3 / (replays * calls))
+        return sorted(got)[len(got) // 2]
+
+    res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 16})
+    return {"world": world, "bytes_per_rank": nbytes, "algorithm": "none (Tensor.copy_)", "us_per_call": max(res),
+            "us_per_call_by_rank": [round(r, 2) for r in res]}
+
+
 def eager_case(world: int, nbytes: int, iters: int) -> dict:
     """Eager host time per call: tests/gpu/bench_eager_host.py's measurement (one copy of it), loaded
     from its file (this script runs with ``python3 -P``: its folder is not on sys.path)."""
@@ -96,13 +138,19 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
+    try:
+        from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES as window
+    except ImportError:
+        window = 64 << 10
     emit({"case": "graph 8 KiB bf16", **graph_case(a.world, 8192, 50, 20, small)})
-    for kib in (1, 4, 8, 16, 32, 64, 128):  # the packet / one-shot crossover
+    for kib in (1, 4, 8, 16, 32, 64, 128, 256):  # the packet / one-shot crossover
         for alg in ("packet", "oneshot"):
-            if alg == "packet" and kib > 64:
+            if alg == "packet" and kib << 10 > window:  # this build's receive window
                 continue
             cfg = {**small, "tuning": {"algorithm": alg}}
             emit({"case": f"graph {kib} KiB bf16 {alg}", **graph_case(a.world, kib << 10, 50, 20, cfg)})
+    for w in (1, a.world):  # the timing's floor: one small copy kernel per graph node, no exchange
+        emit({"case": "graph floor: 8 KiB Tensor.copy_, no collective", **floor_case(w, 8192, 50, 20)})
     # the device call check's cost (config device_call_check: a descriptor push per kernel; predicted
     # within run-to-run noise, the stores are fire-and-forget and the check runs only in stalled waits)
     for kib, alg in ((8, "packet"), (64, "oneshot")):

@@ -18,9 +18,10 @@ from pathlib import Path
 import purlin_sglang as ps
 from purlin_sglang.engines import cuda as cuda_engine
 
-# name -> (world, KiB, blocks per rank)
+# name -> (world, KiB, blocks per rank); "floor-*": no collective (bench_cuda_engine.floor_case: one small
+# copy kernel per graph node on every rank stream, the timing's floor), the same in both builds
 CASES = {"8k-w8": (8, 8, 16), "1k-w8": (8, 1, 16), "32k-w8": (8, 32, 16), "8k-w8-4blk": (8, 8, 4),
-         "8k-w1": (1, 8, 16), "8k-w2": (2, 8, 16)}
+         "8k-w1": (1, 8, 16), "8k-w2": (2, 8, 16), "floor-w8": (8, 8, 0), "floor-w1": (1, 8, 0)}
 
 
 def main() -> None:
@@ -35,6 +36,13 @@ def main() -> None:
     has_check = hasattr(ps.PurlinConfig(), "device_call_check")
     for name in a.cases.split(","):
         world, kib, blocks = CASES[name]
+        if name.startswith("floor"):
+            if not hasattr(bench, "floor_case"):
+                continue
+            r = bench.floor_case(world, kib << 10, 50, 20, timings=a.timings)
+            print(json.dumps({"label": a.label, "case": name, "check": None, "us_per_call": round(r["us_per_call"], 3),
+                              "by_rank": r["us_per_call_by_rank"]}), flush=True)
+            continue
         cuda_engine.MAX_BLOCKS = blocks
         for check in ((False, True) if has_check else (None,)):
             cfg = {"staging_bytes": 1 << 20, "tuning": {"algorithm": "packet"}}
