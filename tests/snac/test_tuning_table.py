@@ -198,6 +198,10 @@ def test_the_shipped_h200_table_is_the_default_where_it_was_measured_only():
     assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8,
                             bands=used.bands["all_reduce"]) == "oneshot"
     assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8) == "twoshot"
+    # world 8, 128 KiB all_reduce: packets (the 256 KiB window, seventh session), one-shot by the thresholds
+    assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8,
+                            bands=used.bands["all_reduce"]) == "packet"
+    assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8) == "oneshot"
     for args in (("NVIDIA H200", "cuda", 8, "gpu_per_rank"),  # a process per GPU: NVLink, not HBM
                  ("NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu"),
                  ("NVIDIA H200", "cuda", 3, "one_gpu"),
