@@ -7,7 +7,8 @@
 #   3. the engine bench of both builds (tests/gpu/bench_cuda_engine.py) -> $OUT/bench_engine*.json
 #   4. the graph A/B (tools/gpu-graph-ab.sh; ROUNDS, TIMINGS), floor cases included
 #   5. the eager A/B (tools/gpu-eager-ab.sh run; ROUNDS)
-# STEPS: which of "tune coll engine graph eager" to run (default all).
+# STEPS: which of "tune coll engine graph eager" to run (default all); COLL_BASE=0 / ENGINE_BASE=0: this build only.
+# At most 8 files come back from a device call: the A/B folders are packed into $OUT/ab.tar.gz.
 export PYTHONPATH=/tmp/site CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; STEPS=${STEPS:-"tune coll engine graph eager"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -27,7 +28,7 @@ if has coll; then
   T0=$(date +%s)
   timeout ${CT:-150} python3 -P -m purlin_sglang bench collectives $COLL --out "$OUT/coll-new" > "$OUT/coll-new.log" 2>&1
   t "bench collectives (new)" $?; grep -v "^  purlin" "$OUT/coll-new.log" | tail -60 | cut -c1-200
-  if [ -d /tmp/base_site/purlin_sglang ]; then
+  if [ -d /tmp/base_site/purlin_sglang ] && [ "${COLL_BASE:-1}" != 0 ]; then
     T0=$(date +%s)
     ( cd /tmp/base && PYTHONPATH=/tmp/base_site:/tmp/site timeout ${CT:-150} python3 -P -m purlin_sglang bench collectives \
         $COLL --out "$OUT/coll-base" > "$OUT/coll-base.log" 2>&1 )
@@ -38,7 +39,7 @@ if has engine; then
   T0=$(date +%s)
   timeout ${BT:-150} python3 -P tests/gpu/bench_cuda_engine.py --json "$OUT/bench_engine.json" > "$OUT/bench_engine.log" 2>&1
   t "engine bench (new)" $?; cut -c1-260 "$OUT/bench_engine.log"
-  if [ -d /tmp/base_site/purlin_sglang ]; then
+  if [ -d /tmp/base_site/purlin_sglang ] && [ "${ENGINE_BASE:-1}" != 0 ]; then
     T0=$(date +%s)  # this tree's bench script for both builds (it skips what a build lacks)
     cp tests/gpu/bench_cuda_engine.py tests/gpu/bench_eager_host.py /tmp/base/tests/gpu/ 2>/dev/null
     ( cd /tmp/base && PYTHONPATH=/tmp/base_site:/tmp/site timeout ${BT:-150} python3 -P tests/gpu/bench_cuda_engine.py \
@@ -49,3 +50,4 @@ fi
 if has graph; then T0=$(date +%s); timeout ${GT:-200} bash tools/gpu-graph-ab.sh; t "graph A/B" $?; fi
 if has eager; then T0=$(date +%s); PROF=${PROF:-3000} timeout ${ET:-150} bash tools/gpu-eager-ab.sh run > "$OUT/eager-ab.log" 2>&1
   t "eager A/B" $?; tail -30 "$OUT/eager-ab.log" | cut -c1-250; fi
+( cd "$OUT" && ls -d graph-ab eager-ab 2>/dev/null | xargs -r tar -czf ab.tar.gz && rm -rf graph-ab eager-ab )
