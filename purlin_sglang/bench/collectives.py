@@ -3,7 +3,9 @@
 For each collective, world size, mode and size: one call is checked against a plain torch
 reference (fresh random inputs), then the calls are timed (CUDA events on a GPU,
 ``time.perf_counter`` on the CPU engine), after a warm-up, as the median / p10 / p90 of
-``--iters``. Rows give algbw and nccl-tests busbw. Baselines run in the same command where
+``--iters``. Rows give algbw and nccl-tests busbw, and for purlin the algorithm it ran and the bytes
+its plan reads and writes (bench/traffic.py); on a GPU, the loopback floor (bench/floor.py), the
+fraction of it reached and the best fraction the plan can reach ("plan max"). Baselines run in the same command where
 the machine allows them and are listed as skipped, with the reason, where it does not. Writes
 ``results.json`` and plots to ``--out``, prints a table, and exits 1 if any result is wrong.
 """
