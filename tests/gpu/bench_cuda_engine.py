@@ -32,6 +32,30 @@ except ImportError:  # a baseline build before bench/traffic.py: copies and redu
         return total
 
 
+def _graph_time(step, sync, calls: int, replays: int, timings: int, barrier, lock) -> float:
+    """One rank: ``calls`` of ``step`` captured in one graph (one capture at a time: ``lock``), replayed
+    ``replays`` times with the other ranks; the median over ``timings`` of the time per call in us."""
+    g = torch.cuda.CUDAGraph()
+    barrier.wait()
+    with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+        for _ in range(calls):
+            step()
+    barrier.wait()
+    g.replay()
+    sync()
+    got = []
+    for _ in range(timings):
+        barrier.wait()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(replays):
+            g.replay()
+        e.record()
+        sync()
+        got.append(s.elapsed_time(e) * 1e3 / (replays * calls))
+    return sorted(got)[len(got) // 2]
+
+
 def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict, timings: int = 1) -> dict:
     """``calls`` all_reduces of ``nbytes`` bf16 captured in one graph per rank, replayed ``replays`` times;
     the time per call of each rank (the median of ``timings`` such timings), and the slowest rank's."""
@@ -46,25 +70,8 @@ def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict, tim
         comm.synchronize()
         # (comm._schedules: the builds before the call path, which tools/gpu-graph-ab.sh times with this script)
         sched = next(iter((comm._path.schedules if hasattr(comm, "_path") else comm._schedules).values()))
-        g = torch.cuda.CUDAGraph()
-        barrier.wait()
-        with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-            for _ in range(calls):
-                comm.all_reduce(x, out=out)
-        barrier.wait()
-        g.replay()
-        comm.synchronize()
-        got = []
-        for _ in range(timings):
-            barrier.wait()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(replays):
-                g.replay()
-            e.record()
-            comm.synchronize()
-            got.append(s.elapsed_time(e) * 1e3 / (replays * calls))
-        return sorted(got)[len(got) // 2], plan_bytes(sched), sched.plan.algorithm
+        us = _graph_time(lambda: comm.all_reduce(x, out=out), comm.synchronize, calls, replays, timings, barrier, lock)
+        return us, plan_bytes(sched), sched.plan.algorithm
 
     res = ps.run_virtual(world, fn, device="cuda", config=cfg)
     us = max(r[0] for r in res)
@@ -87,26 +94,9 @@ def floor_case(world: int, nbytes: int, calls: int, replays: int, timings: int =
         x = torch.randn(nbytes // 2, device=comm.device).to(torch.bfloat16)
         out = torch.empty_like(x)
         out.copy_(x)
-        torch.cuda.current_stream().synchronize()  # no purlin call to sync with
-        g = torch.cuda.CUDAGraph()
-        barrier.wait()
-        with lock, torch.cuda.graph(g, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-            for _ in range(calls):
-                out.copy_(x)
-        barrier.wait()
-        g.replay()
-        torch.cuda.current_stream().synchronize()  # no purlin call to sync with
-        got = []
-        for _ in range(timings):
-            barrier.wait()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(replays):
-                g.replay()
-            e.record()
-            torch.cuda.current_stream().synchronize()  # no purlin call to sync with
-            got.append(s.elapsed_time(e) * 1e3 / (replays * calls))
-        return sorted(got)[len(got) // 2]
+        sync = torch.cuda.current_stream().synchronize  # no purlin call to wait for
+        sync()
+        return _graph_time(lambda: out.copy_(x), sync, calls, replays, timings, barrier, lock)
 
     res = ps.run_virtual(world, fn, device="cuda", config={"staging_bytes": 1 << 16})
     return {"world": world, "bytes_per_rank": nbytes, "algorithm": "none (Tensor.copy_)", "us_per_call": max(res),
