@@ -124,8 +124,10 @@ class Communicator:
 
     def algorithm(self, collective: str | CollectiveSpec, nbytes: int | None) -> str:
         """The algorithm (``packet``, ``oneshot`` or ``twoshot``) this communicator runs for a call of
-        ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes: what the
-        call path chooses, from ``tuning`` and its table (:meth:`tuning_info`). Local; cheap."""
+        ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes (for
+        all_gather_v and reduce_scatter_v: the group's largest push, the largest ``sizes`` entry in
+        bytes): what the call path chooses, from ``tuning`` and its table (:meth:`tuning_info`). Local;
+        cheap."""
         return self._path.algorithm(collective, nbytes)
 
     def tuning_info(self) -> TableInUse:

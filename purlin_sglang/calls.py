@@ -168,12 +168,15 @@ class CallPath:
         """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
         bytes: the same on every rank (it depends on the config, the world, the device model and the
         group-wide size). ``push``: the group's largest push (``snac.planner.largest_push``), which a
-        V form needs for a packet; without it a V form runs ``oneshot``."""
+        V form needs for a packet; without it a V form's ``nbytes`` is taken as that push (the call
+        path always passes it)."""
         if isinstance(spec, str) and spec in CATALOG:
             spec = CATALOG[spec]
         if not isinstance(spec, CollectiveSpec):
             raise PurlinValueError(f"algorithm: collective must be a catalog name ({', '.join(CATALOG)}) or a "
                                    f"CollectiveSpec, got {spec!r}")
+        if push is None and spec.variable:
+            push = nbytes
         bands = self.table.bands.get(spec.name) if self.table.bands else None
         return choose_algorithm(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world,
                                 bands=bands, push=push)

@@ -462,5 +462,9 @@ def test_v_forms_whose_sizes_every_rank_knows_take_packets_with_the_sizes_in_the
     assert [prep(p, agv, torch.zeros((big, 0)[p.rank], 4), None, (big, 0)).sched.plan.algorithm
             for p in paths] == ["oneshot", "oneshot"]
     assert prep(paths[0], a2av, torch.zeros(2, 4), (1, 1), (1, 1)).sched.plan.algorithm == "oneshot"
+    # the public question (Communicator.algorithm): a V form's nbytes is the group's largest push
+    assert [paths[0].algorithm(n, 1024) for n in ("all_gather_v", "reduce_scatter_v", "all_to_all_v")] == [
+        "packet", "packet", "oneshot"]
+    assert paths[0].algorithm("all_gather_v", 1 << 20) == "oneshot"
     staged = [CallPath(r, 2, cpu, cfg, packets=False) for r in range(2)]  # e.g. the CPU engine
     assert prep(staged[0], agv, torch.zeros(0, 4), None, sizes).sched.plan.algorithm == "oneshot"
