@@ -195,8 +195,8 @@ def make_plan(
 def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
     """A chosen ``algorithm`` must be one that ``spec`` has (what :func:`choose_algorithm` can answer)."""
     if algorithm == "packet" and not has_packet_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no packet form (rooted collectives and all_to_all_v-like V "
-                              "forms stay staged)")
+        raise PurlinPlanError(f"{spec.name}: has no packet form (rooted collectives and V forms sliced on both "
+                              "sides stay staged)")
     if algorithm == "twoshot" and not _reduces_to_all(spec):
         raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
                               "packed output on every rank)")
