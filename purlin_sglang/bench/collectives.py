@@ -223,8 +223,8 @@ def format_table(rows: list[dict], floor: dict | None = None) -> str:
                 f"{_bw(r['algbw_GBps'])}{_bw(r['busbw_GBps'])}{'yes' if r['correct'] else 'NO':>8}")
         if floor and "floor_us" in r:
             best = r.get("plan_of_floor_max")
-            line += (f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}{best:>9.2f}" if best else
-                     f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}{'-':>9}") + f"  {r.get('algorithm') or '-'}"
+            plan = f"{best:>9.2f}" if best else f"{'-':>9}"
+            line += f"{r['floor_us']:>10.1f}{r['of_floor']:>9.2f}{plan}  {r.get('algorithm') or '-'}"
         lines.append(line)
     lines.append("(times in us; algbw/busbw in GB/s, nccl-tests convention; median/p10/p90 over iterations, "
                  "slowest rank per iteration" + ("; plan max: the best 'of floor' the plan can reach, floor bytes / "

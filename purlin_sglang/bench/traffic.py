@@ -10,6 +10,8 @@ bytes actually moved got.
 
 from __future__ import annotations
 
+import math
+
 from ..snac import Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce
 
 
@@ -43,9 +45,6 @@ def last_call(comm, out_numel: int):
     if not calls:
         return None, None
     call = next(reversed(calls.values()))
-    numel = 1
-    for d in call.out_shape:
-        numel *= d
-    if numel != out_numel:
+    if math.prod(call.out_shape) != out_numel:
         return None, None
     return call.sched.plan.algorithm, plan_bytes(call.sched)

@@ -173,3 +173,20 @@ def test_gloo_baseline_in_the_same_run(tmp_path, capsys):
     gloo = [r for r in data["rows"] if r["impl"] == "gloo"]
     assert {r["collective"] for r in gloo} == {"all_reduce", "all_gather"}
     assert all(r["correct"] and r["time_us_median"] > 0 for r in gloo)
+
+
+def test_table_with_a_floor_names_the_plans_best_fraction_and_algorithm():
+    """With a measured floor (GPU runs), each purlin row ends with its floor, the fraction reached, the
+    plan's best fraction (bench/traffic.py) and the algorithm; a row without plan bytes shows '-'."""
+    from purlin_sglang.bench.collectives import format_table
+
+    base = {"impl": "purlin", "engine": "cuda", "collective": "all_reduce", "mode": "graph", "world": 8,
+            "bytes": 1 << 20, "time_us_median": 10.0, "time_us_p10": 9.0, "time_us_p90": 11.0,
+            "algbw_GBps": 1.0, "busbw_GBps": 1.75, "correct": True, "floor_us": 5.0, "of_floor": 0.5}
+    text = format_table([{**base, "plan_of_floor_max": 0.41, "algorithm": "twoshot"}, base],
+                        {"copy_GBps": 4000.0, "latency_us": 2.0})
+    lines = text.splitlines()
+    assert "plan max" in lines[0] and "algorithm" in lines[0]
+    assert lines[1].split()[-3:] == ["0.50", "0.41", "twoshot"]
+    assert lines[2].split()[-3:] == ["0.50", "-", "-"]
+    assert "plan max: the best 'of floor'" in lines[-1]
