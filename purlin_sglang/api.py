@@ -231,11 +231,26 @@ class Communicator:
         if call is not None:  # a call shape seen (and valid) before: its cached schedule
             self._check_usable(call.name)
             out = got
+            launch = call.launch
+            if launch:  # the steady state: the engine's prepared launch of this shape, one native call
+                self._seq += 1
+                try:
+                    self._engine.launch(launch, x, out, self._seq)
+                except PurlinError as e:
+                    self._failed(e)
+                    raise
+                return out
         else:  # the full path: every check, planning and lowering; ``got`` is the call-cache key
             self._check_usable(spec.name if isinstance(spec, CollectiveSpec) else "run")
             call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
         self._seq += 1
-        self._execute(CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info), call.sched)
+        ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info)
+        self._execute(ctx, call.sched)
+        if call.launch is None:
+            # Bound once it ran: an engine that prepares launches (CudaEngine.bind), and no launch gate (which
+            # must see every eager call of a virtual rank); otherwise every call of the shape runs execute().
+            bind = getattr(self._engine, "bind", None) if self._gate is None else None
+            call.launch = bind(call.sched, ctx) if bind is not None else False
         return out
 
     def _check_usable(self, name: str) -> None:
@@ -255,12 +270,16 @@ class Communicator:
             else:  # virtual ranks: the launch gate around it (virtual.py)
                 self._gate.execute(self.rank, ctx, lambda: self._engine.execute(sched, ctx))
         except PurlinError as e:
-            if self._engine.broken:
-                # The engine's frames in the traceback hold views of the shared mapping: drop their
-                # locals so that the mapping can really be unmapped now.
-                traceback.clear_frames(e.__traceback__)
-                self._release_broken()
+            self._failed(e)
             raise
+
+    def _failed(self, e: PurlinError) -> None:
+        """A call raised ``e``: where it broke the engine, release this rank's memory now."""
+        if self._engine.broken:
+            # The engine's frames in the traceback hold views of the shared mapping: drop their
+            # locals so that the mapping can really be unmapped now.
+            traceback.clear_frames(e.__traceback__)
+            self._release_broken()
 
     def _release_broken(self) -> None:
         """The engine is broken: free this rank's workspace and tables now (not at garbage collection);

@@ -14,6 +14,7 @@ call that fails one of them takes the full path, which raises the error with its
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -55,13 +56,19 @@ class CacheInfo(NamedTuple):
 class Call:
     """A validated call of one shape: what running it again needs besides the tensors."""
 
-    __slots__ = ("spec", "name", "sched", "fingerprint", "info", "out_shape", "in_place")
+    __slots__ = ("spec", "name", "sched", "fingerprint", "info", "out_shape", "in_place", "in_bytes", "out_bytes",
+                 "like_x", "launch")
 
     def __init__(self, spec: CollectiveSpec, name: str, sched: Schedule, fp: int, out_shape: tuple,
-                 in_place: bool, info: int = 0):
+                 in_place: bool, info: int = 0, in_bytes: int = 0, out_bytes: int = 0, like_x: bool = False):
         self.spec, self.name, self.sched, self.fingerprint = spec, name, sched, fp
         self.info = info  # the description code of mismatch messages (engines/base.py call_info)
         self.out_shape, self.in_place = out_shape, in_place  # in_place: out may be x
+        self.in_bytes, self.out_bytes = in_bytes, out_bytes  # of x and of out (both fixed by the call's shape)
+        self.like_x = like_x  # out has x's shape: a new out is torch.empty_like(x) (cheaper than by shape)
+        # The engine's prepared launch of this shape (Engine.bind), once a call ran through execute(): None
+        # until then, False where the engine does not bind (or a launch gate must see each call).
+        self.launch: Any = None
 
 
 def coerce_config(config: Any) -> PurlinConfig:
@@ -203,7 +210,8 @@ class CallPath:
         if ins is _NO_KEY or outs is _NO_KEY:
             self.misses += 1
             return None, None
-        key = (id(spec), op, root, x.dtype, x.shape, ins, outs)
+        dtype = x.dtype
+        key = (id(spec), op, root, dtype, x.shape, ins, outs)
         call = self.calls.get(key)
         if call is None or call.spec is not spec:
             self.misses += 1
@@ -213,10 +221,11 @@ class CallPath:
         if not (x.device == dev and x.layout == _STRIDED and x.is_contiguous()):
             return None, key
         if out is None:
-            out = torch.empty(call.out_shape, dtype=x.dtype, device=dev)
+            # x is contiguous: empty_like (strides preserved) gives a contiguous out
+            out = torch.empty_like(x) if call.like_x else torch.empty(call.out_shape, dtype=dtype, device=dev)
         elif (isinstance(out, torch.Tensor) and out.device == dev and out.layout == _STRIDED
-              and out.is_contiguous() and out.dtype is x.dtype and out.shape == call.out_shape):
-            a0, b0, an, bn = x.data_ptr(), out.data_ptr(), x.nbytes, out.nbytes
+              and out.is_contiguous() and out.dtype is dtype and out.shape == call.out_shape):
+            a0, b0, an, bn = x.data_ptr(), out.data_ptr(), call.in_bytes, call.out_bytes
             if (a0 < b0 + bn and b0 < a0 + an) and not (a0 == b0 and an == bn and call.in_place):
                 return None, key
         else:
@@ -276,7 +285,8 @@ class CallPath:
             self.schedules[skey] = sched
         fp = fingerprint(plan.key + (str(x.dtype), row_bytes, _agreed_sizes(spec, algorithm, sizes, nbytes)))
         call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced,
-                    call_info(name, x.dtype, nbytes, plan))
+                    call_info(name, x.dtype, nbytes, plan), x.nbytes, x.element_size() * math.prod(out_shape),
+                    out_shape == tuple(x.shape))
         if key is not None:
             if len(self.calls) >= self.maxsize:
                 del self.calls[next(iter(self.calls))]  # the oldest entry

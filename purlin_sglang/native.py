@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -275,7 +275,11 @@ class NativeLibrary:
         self.moe_dispatch = lib.purlin_moe_dispatch  # (byref(MoeParams), stream) -> cudaError_t
         self.moe_combine = lib.purlin_moe_combine
         self._lib = lib
-        self.snac_execute = lib.purlin_snac_execute  # (byref(SnacParams), stream) -> cudaError_t; hot path
+        self.snac_execute = lib.purlin_snac_execute  # (byref(SnacParams), stream) -> cudaError_t
+        # The steady state of an eager call (engines/cuda.py _Launch): (address of a prepared SnacParams,
+        # input, output, call number, stream) -> cudaError_t, a function of the extension module itself
+        # (the same loaded library), called without ctypes' argument conversion (native/python/module.cpp).
+        self.snac_launch = importlib.import_module(_MODULE).snac_launch
 
     def snac_occupancy(self, device: int = -1) -> tuple[int, int]:
         """(resident blocks per SM of the interpreter and packet kernels, the fewest over all of them; the

@@ -329,9 +329,19 @@ class FakeNativeLibrary:
         self.params, self.code, self.launches = params, code, []
 
     def snac_execute(self, pref, stream) -> int:
-        p = self.params
+        return self._record(self.params, stream, "execute")
+
+    def snac_launch(self, addr, inp, out, seq, stream) -> int:
+        """What the module's snac_launch does (native/python/module.cpp), on a struct in CPU memory."""
+        p = native.SnacParams.from_address(addr)
+        p.input, p.output, p.desc_seq = inp, out, seq
+        return self._record(p, stream, "launch")
+
+    def _record(self, p, stream, how) -> int:
         self.launches.append(dict(ops=p.ops, n_ops=p.n_ops, n_updates=p.n_updates, tag=p.tag, input=p.input,
-                                  output=p.output, dtype=p.dtype, stream=stream))
+                                  output=p.output, dtype=p.dtype, stream=stream, packets=p.packets,
+                                  desc_seq=p.desc_seq, desc_fp=p.desc_fp, desc_info=p.desc_info,
+                                  rank=p.rank, world=p.world, how=how))
         return self.code
 
     def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
@@ -349,6 +359,7 @@ def cuda_engine_on_cpu(world: int, rank: int) -> cuda_mod.CudaEngine:
     e._arena = cuda_mod._Arena(torch.device("cpu"), 1 << 14)
     e._err = torch.zeros(cuda_mod.HOST_ERROR_WORDS, dtype=torch.int64).numpy()
     e._params = native.SnacParams()
+    e._params.rank, e._params.world = rank, world
     e._pref = ctypes.byref(e._params)
     e.lib = FakeNativeLibrary(e._params)
     e._by_id, e._by_key, e._names = {}, {}, []
@@ -423,6 +434,104 @@ def test_cuda_execute_raises_a_recorded_timeout_before_launching(monkeypatch):
         eng.execute(sched, ctx)
     assert len(eng.lib.launches) == 1 and eng.broken
     comm.close()
+
+
+def fake_cuda_queries(monkeypatch, current: dict) -> None:
+    monkeypatch.setattr(cuda_mod, "_current_raw_stream", lambda index: current["handle"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(current["handle"]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+SHAPE_FIELDS = ("ops", "n_ops", "n_updates", "tag", "dtype", "packets", "desc_fp", "desc_info", "rank", "world")
+
+
+def test_a_call_shape_seen_before_launches_through_one_native_call(monkeypatch):
+    """The steady state of an eager call: its first call runs execute() and the engine binds the shape
+    (a parameter struct of its own); later calls of that shape pass their pointers, call number and
+    stream to one native call (the module's snac_launch), with the same table, dtype and description."""
+    current = {"handle": 0x1000}
+    fake_cuda_queries(monkeypatch, current)
+    eng = cuda_engine_on_cpu(2, 1)
+    eng.call_check = True  # the call description is part of the bound struct
+    comm = comm_over(eng, world=2, rank=1)
+    x, out = x4(64, dtype=bf16), torch.empty(64, dtype=bf16)
+    assert comm.all_reduce(x, out=out) is out  # the full path: execute(), then bind
+    assert comm.all_reduce(x, out=out) is out  # a hit: launch()
+    current["handle"] = 0x2000
+    y = comm.all_reduce(x)  # a hit, a new output
+    first, again, fresh = eng.lib.launches
+    assert [r["how"] for r in (first, again, fresh)] == ["execute", "launch", "launch"]
+    assert all(again[k] == first[k] == fresh[k] for k in SHAPE_FIELDS), (first, again)
+    assert first["n_ops"] > 0 and first["dtype"] == native.reduce_dtype_code(bf16) and first["world"] == 2
+    assert [r["desc_seq"] for r in (first, again, fresh)] == [1, 2, 3]  # the call numbers
+    assert (again["input"], again["output"], again["stream"]) == (x.data_ptr(), out.data_ptr(), 0x1000)
+    assert y.shape == x.shape and y.dtype == bf16 and y.is_contiguous() and y.data_ptr() not in (0, out.data_ptr())
+    assert (fresh["input"], fresh["output"], fresh["stream"]) == (x.data_ptr(), y.data_ptr(), 0x2000)
+    assert eng._stream.cuda_stream == 0x2000  # synchronize() waits on the stream of the last launch
+    assert eng._params.desc_seq == 1  # the bound struct is the shape's own: execute()'s is untouched
+
+    xg = x4(8, dtype=torch.int32)  # another shape binds its own struct (copy-only: dtype 0)
+    comm.all_gather(xg)
+    comm.all_gather(xg)
+    g1, g2 = eng.lib.launches[3:]
+    assert (g1["how"], g2["how"]) == ("execute", "launch") and g2["ops"] == g1["ops"] != first["ops"]
+    assert g2["dtype"] == 0 and g2["desc_seq"] == 5
+
+    eng.lib.code = 700  # a failed launch breaks the engine and names the call
+    with pytest.raises(PurlinCudaError, match="^all_reduce: kernel launch failed: fake CUDA error 700"):
+        comm.all_reduce(x, out=out)
+    with pytest.raises(PurlinBrokenError, match="^all_reduce: the communicator is broken"):
+        comm.all_reduce(x, out=out)
+    assert len(eng.lib.launches) == 6
+
+
+def test_a_bound_call_raises_a_recorded_timeout_before_launching(monkeypatch):
+    fake_cuda_queries(monkeypatch, {"handle": 0})
+    eng = cuda_engine_on_cpu(2, 0)
+    comm = comm_over(eng, world=2, rank=0)
+    x = x4(4)
+    comm.all_reduce(x)
+    comm.all_reduce(x)
+    assert [r["how"] for r in eng.lib.launches] == ["execute", "launch"]
+    eng._err[:9] = [1, 3, 0, 1, 0, 0, 5, 4, 0]  # flag, op #3, notify wait, peer 1, item 0, rank 0, target 5, saw 4
+    with pytest.raises(PurlinTimeoutError, match="^all_reduce: rank 0 waited 10s at op #3 \\(notify wait\\)"):
+        comm.all_reduce(x)
+    assert len(eng.lib.launches) == 2 and eng.broken
+    with pytest.raises(PurlinError):  # and again: the record stays
+        comm.all_reduce(x)
+    assert len(eng.lib.launches) == 2
+
+
+def test_a_launch_gate_sees_every_call_so_nothing_is_bound(monkeypatch):
+    """Loopback virtual ranks (CUDA, world > 1) pass every eager call through the launch gate, which
+    needs the call's context: their calls keep running execute(). Engines without bind() (the CPU
+    engine) do too."""
+    fake_cuda_queries(monkeypatch, {"handle": 0})
+
+    class Gate:
+        def __init__(self):
+            self.seen = []
+
+        def execute(self, rank, ctx, launch):
+            self.seen.append(ctx.seq)
+            launch()
+
+    eng = cuda_engine_on_cpu(2, 0)
+    comm = comm_over(eng, world=2, rank=0)
+    comm._gate = gate = Gate()
+    x = x4(16)
+    for _ in range(3):
+        comm.all_reduce(x)
+    assert [r["how"] for r in eng.lib.launches] == ["execute"] * 3 and gate.seen == [1, 2, 3]
+    assert [c.launch for c in comm._path.calls.values()] == [False]
+    comm._gate = None
+
+    def on_cpu(c):
+        c.all_reduce(x4(16))
+        c.all_reduce(x4(16))
+        return [call.launch for call in c._path.calls.values()]
+
+    assert ps.run_virtual(2, on_cpu, config=CFG) == [[False], [False]]
 
 
 def test_the_stream_lookup_is_torchs_raw_query():

@@ -67,6 +67,34 @@ def test_load_works_or_says_what_is_missing():
     assert lib.abi_version() == native.ABI_VERSION
 
 
+def test_snac_launch_writes_the_call_fields_then_launches():
+    """The module's snac_launch (an eager call's steady state, engines/cuda.py CudaEngine.launch) writes
+    input, output and the call number into the struct it is given and returns purlin_snac_execute's code
+    for that struct: here cudaErrorInvalidValue (1), as the struct names no ranks, so the launch is
+    refused before any device is touched (this runs with or without a GPU)."""
+    info = native.build_info()
+    mod = importlib.import_module("purlin_sglang._native")
+    assert hasattr(mod, "snac_launch") == info["cuda"]
+    if not info["cuda"]:
+        pytest.skip(f"built without CUDA: {info['reason']}")
+    p = native.SnacParams()  # world 0: refused by the launch's checks
+    p.desc_fp = 0x1234
+    assert mod.snac_launch(ctypes.addressof(p), 0x1000, 0x2000, 7, 0) == 1
+    assert (p.input, p.output, p.desc_seq, p.desc_fp) == (0x1000, 0x2000, 7, 0x1234)
+    assert mod.snac_launch(ctypes.addressof(p), 0, 0x3000, 1 << 40, 0x5EED) == 1
+    assert (p.input, p.output, p.desc_seq) == (None, 0x3000, 1 << 40)  # ctypes shows a null pointer as None
+    lib = ctypes.CDLL(mod.__file__)
+    lib.purlin_snac_execute.argtypes = [ctypes.POINTER(native.SnacParams), ctypes.c_void_p]
+    assert lib.purlin_snac_execute(ctypes.byref(p), None) == 1  # the same answer through ctypes
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        mod.snac_launch(ctypes.addressof(p), 1, 2)
+    with pytest.raises(ValueError, match="null pointer"):
+        mod.snac_launch(0, 1, 2, 3, 0)
+    with pytest.raises(TypeError):
+        mod.snac_launch(ctypes.addressof(p), "x", 2, 3, 0)
+    assert p.output == 0x3000  # a refused argument writes nothing
+
+
 def test_copy_atom_rejects_bad_arguments_before_loading():
     with pytest.raises(PurlinValueError):
         native.copy_atom(0, 0, -1, 0)

@@ -166,18 +166,45 @@ class CudaEngine:
         if e is None or e[0] is not sched:
             e = self._table(sched, ctx.op)
         p = self._params
-        p.ops, p.n_ops, p.n_updates, p.tag, p.packets = e[5], e[2], e[3], e[4], e[7]
+        self._fill(p, e, ctx)
         p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
+        code = self.lib.snac_execute(self._pref, self._launch_stream())
+        if code:
+            self._launch_failed(ctx.op, code)
+
+    def bind(self, sched: Schedule, ctx) -> "_Launch":
+        """The steady state of calls of ``ctx``'s shape (collective, sizes, dtype, fingerprint): a
+        parameter struct of their own with everything but the pointers and the call number filled in,
+        for :meth:`launch`. Call after :meth:`execute` ran such a call (its op table exists)."""
+        p = native.SnacParams.from_buffer_copy(self._params)
+        self._fill(p, self._table(sched, ctx.op), ctx)
+        return _Launch(p, ctx.op)
+
+    def launch(self, bound: "_Launch", x: torch.Tensor, y: torch.Tensor, seq: int) -> None:
+        """One call of a bound shape, call number ``seq``: one native call (``snac_launch``) that writes the
+        pointers and the number into the bound struct and launches. The caller has checked the engine
+        usable (``engines.check_usable``) and ``x`` / ``y`` against the call's shape."""
+        code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, self._launch_stream())
+        if code:
+            self._launch_failed(bound.op, code)
+
+    def _fill(self, p: native.SnacParams, e: tuple, ctx) -> None:
+        """The fields of one call's struct that its shape decides: table, dtype, call description."""
+        p.ops, p.n_ops, p.n_updates, p.tag, p.packets = e[5], e[2], e[3], e[4], e[7]
         p.dtype = native.reduce_dtype_code(ctx.dtype) if e[6] else 0
         if self.call_check:
             p.desc_seq, p.desc_fp, p.desc_info = ctx.seq, fold32(ctx.fingerprint), ctx.info
+
+    def _launch_stream(self) -> int:
+        """The caller's current stream (cudaStream_t); one not launched on before is kept for synchronize()."""
         stream = _current_raw_stream(self._index)
-        if stream != self._stream_handle:  # a stream not launched on before: keep it for synchronize()
+        if stream != self._stream_handle:
             self._stream, self._stream_handle = torch.cuda.current_stream(self.device), stream
-        code = self.lib.snac_execute(self._pref, stream)
-        if code:
-            self.mark_broken(f"launch failed with CUDA error {code}")
-            raise PurlinCudaError(f"{ctx.op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
+        return stream
+
+    def _launch_failed(self, op: str, code: int) -> None:
+        self.mark_broken(f"launch failed with CUDA error {code}")
+        raise PurlinCudaError(f"{op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
 
     def synchronize(self) -> None:
         """Wait for this rank's enqueued calls; raise a timeout one of them recorded. Blocks the host."""
@@ -243,6 +270,16 @@ class CudaEngine:
         self._by_key.clear()
         self._arena = None
         self.ws = None
+
+
+class _Launch:
+    """One call shape's launch, prepared by :meth:`CudaEngine.bind`: its own parameter struct (kept alive
+    here; ``addr`` is its address for the native call) and the collective's name for messages."""
+
+    __slots__ = ("params", "addr", "op")
+
+    def __init__(self, params: native.SnacParams, op: str):
+        self.params, self.addr, self.op = params, ctypes.addressof(params), op
 
 
 def _has_reduce(sched: Schedule) -> bool:

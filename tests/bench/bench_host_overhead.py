@@ -8,8 +8,10 @@ Two layers are timed per call with ``time.perf_counter_ns`` around each call (me
   world, with the engine replaced by ``FakeCudaEngine``: a fake standing in for CudaEngine that
   only records its arguments. This is validation, plan/schedule lookup, fingerprint, output
   allocation and the call context: everything of an eager call above the engine.
-* ``CudaEngine.execute`` itself (the real Python code of the hot path) with a fake native library
-  whose ``snac_execute`` returns 0 and a fake stream lookup, and the two layers together.
+* ``CudaEngine.execute`` itself (the real Python code of a call's first run) with a fake native library
+  whose ``snac_execute`` returns 0 and a fake stream lookup, and the two layers together, where every
+  call after the first is the steady state: ``CudaEngine.launch`` of the shape bound at the first call,
+  one call of the library's ``snac_launch`` (here a fake Python function of the same five arguments).
 
 What is NOT in these figures: the real stream lookup, the ctypes call into the driver and the
 kernel launch. The GPU machine's eager figure (tests/gpu/bench_cuda_engine.py) includes them.
@@ -69,6 +71,12 @@ class FakeNativeLibrary:
         self.launches += 1
         return 0
 
+    def snac_launch(self, addr, inp, out, seq, stream) -> int:
+        """The module's snac_launch (a C function taking five ints) without its struct writes and launch."""
+        self.launches += 1
+        self.last_launch = (addr, inp, out, seq, stream)
+        return 0
+
     def copy_atom(self, dst_ptr, src_ptr, nbytes, stream, max_blocks=0, device=-1) -> None:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)  # tables live in CPU memory here
 
@@ -106,6 +114,7 @@ def real_cuda_engine_on_cpu(world: int, rank: int, staging_bytes: int, call_chec
     e._host_error = torch.zeros(cuda_mod.HOST_ERROR_WORDS, dtype=torch.int64)
     e._err = e._host_error.numpy()
     e._params = native.SnacParams()
+    e._params.rank, e._params.world = rank, world
     e._pref = ctypes.byref(e._params)
     e.call_check = call_check
     e._params.desc_off = e.dlayout.desc_off if call_check else -1
@@ -192,10 +201,15 @@ def main() -> None:
     if eng_checked._params.desc_seq != ctx.seq:
         raise SystemExit("the checked engine did not pass the call number")
 
+    # A communicator over the real engine: the first call of a shape runs execute() and binds the shape,
+    # every later one is the steady state (CudaEngine.launch: one native call).
     comm2 = make_comm(w, eng)
-    emit("run + CudaEngine.execute: all_reduce 4096 bf16, out=", time_calls(lambda: comm2.all_reduce(x, out=out),
-                                                                          a.iters))
-    emit("run + CudaEngine.execute: all_reduce 4096 bf16", time_calls(lambda: comm2.all_reduce(x), a.iters))
+    before = eng.lib.launches
+    emit("run + CudaEngine, bound: all_reduce 4096 bf16, out=", time_calls(lambda: comm2.all_reduce(x, out=out),
+                                                                         a.iters))
+    emit("run + CudaEngine, bound: all_reduce 4096 bf16", time_calls(lambda: comm2.all_reduce(x), a.iters))
+    if eng.lib.launches != before + 2 * (a.iters + 200) or eng.lib.last_launch[1] != x.data_ptr():
+        raise SystemExit("the fake library did not see the expected bound launches")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "world": w, "iters": a.iters, "rows": rows}, f, indent=2)

@@ -7,7 +7,7 @@
 // constant here (or in purlin/encoding.h) changes; purlin_native_layout() exports them all and
 // purlin_sglang/native.py compares that export with its own copies when it loads the library.
 //
-// Devices (ABI 7, kept in ABI 8): this library links its own static CUDA runtime, whose current device is its own.
+// Devices (ABI 7, kept since): this library links its own static CUDA runtime, whose current device is its own.
 // Every entry point that launches or queries a device takes the CUDA device index (an argument, or
 // the `device` field of its parameter struct) and makes that device current on the calling thread
 // (cudaSetDevice where it differs) before it touches the device; it restores nothing,
@@ -135,6 +135,9 @@ typedef struct PurlinSnacParams {
 // resident on the device at once. An op the kernel cannot run (unknown opcode, a reduce in a
 // copy-only schedule, dtype 0) is recorded in host_error (code 2) and breaks the workspace; so is a
 // call whose peer made a different call at the same call number (code 3, see desc_off).
+// ABI 9: the extension module's Python function snac_launch(params, input, output, seq, stream)
+// (native/python/module.cpp) writes input, output and desc_seq into *params and calls this; it is
+// the eager call's steady state (engines/cuda.py).
 PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream);
 // The fewest resident blocks per SM over EVERY interpreter and packet kernel (each at its own
 // block size) on `device`, and its SM count; loads every kernel. Returns a cudaError_t.
