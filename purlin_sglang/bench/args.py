@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
 
 from .metrics import parse_size
 
@@ -33,3 +36,17 @@ def worlds_arg(text: str) -> list[int]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"bad world list {text!r}: world sizes must be >= 1")
     return vals
+
+
+def start(args: argparse.Namespace, resolve: Callable[[argparse.Namespace], argparse.Namespace]
+          ) -> Optional[tuple[argparse.Namespace, Path]]:
+    """A bench command's arguments checked by ``resolve`` and its output folder made: (the resolved
+    arguments, the folder), or None after printing the argument error (the command then exits 2)."""
+    try:
+        args = resolve(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return args, out_dir

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .args import csv_list, size_arg, sizes_arg, worlds_arg
+from .args import csv_list, size_arg, sizes_arg, start, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .environment import environment
 from .purlin_runner import Options, run_purlin
@@ -112,17 +112,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from ..errors import PurlinUnavailableError
 
-    try:
-        args = resolve(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = start(args, resolve)
+    if started is None:
         return 2
+    args, out_dir = started
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     opts = Options(dtype=dtype, iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
                    rotate=args.rotate, l2_bytes=args.l2_bytes, seed=args.seed, timeout_s=args.timeout)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(args.device)
     rows: list[dict] = []
     skipped: list[dict] = []

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .args import start
 from .metrics import percentile
 from .moe_check import (DTYPES, bitwise_vs_reference, check, expert_scale, make_inputs, max_pair_load, run_experts,
                         wire_bytes)
@@ -292,14 +293,11 @@ def run(args: argparse.Namespace) -> int:
     from .environment import environment
     from .moe_report import format_table, plot
 
-    try:
-        args = resolve(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    started = start(args, resolve)
+    if started is None:
         return 2
+    args, out_dir = started
     device = torch.device(args.device)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     floor = None
     if device.type == "cuda":
         from .floor import measure_floor
