@@ -22,7 +22,7 @@ import torch
 
 from .collectives import CATALOG, CollectiveSpec, ReduceOp
 from .config import PurlinConfig
-from .engines.base import REDUCE_DTYPES, call_info, fingerprint, rows_phrase
+from .engines.base import REDUCE_DTYPES, SPLIT_ARGS, SPLIT_ARGS_RUN, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
 from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
 from .snac.planner import largest_push
@@ -30,9 +30,6 @@ from .snac.table import TableInUse, bands_for
 
 logger = logging.getLogger(__name__)
 _STRIDED = torch.strided
-# The caller's names of the V collectives' split arguments (in messages); run() takes in_splits / out_splits.
-_SPLIT_ARGS = {"all_to_all_v": ("input_splits", "output_splits"), "all_gather_v": ("sizes", "sizes"),
-               "reduce_scatter_v": ("sizes", "sizes")}
 _KEY_OPS = (str, ReduceOp)  # op values the call cache takes (exact types: no subclass can alias a key)
 _NO_KEY = object()
 SCHEDULE_CACHE_SIZE = 256  # lowered schedules kept (all are dropped when it is exceeded)
@@ -333,7 +330,7 @@ class CallPath:
     def _sizes(self, spec: CollectiveSpec, x: torch.Tensor, in_splits: Any, out_splits: Any):
         """Row counts per input slice and per output slice for this rank."""
         name, n, nrows = spec.name, self.world, rows(x)
-        in_term, out_term = _SPLIT_ARGS.get(name, ("in_splits", "out_splits"))
+        (in_term, _), (out_term, _) = SPLIT_ARGS.get(name, SPLIT_ARGS_RUN)  # the caller's names, for messages
         if spec.input.sliced:
             if spec.variable:
                 in_rows = self.splits(name, in_term, in_splits)

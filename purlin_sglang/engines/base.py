@@ -79,6 +79,17 @@ def mismatch_message(op: str, rank: int, peer: int, seq: int, mine: str, theirs:
             "calls in the same order")
 
 
+# The caller's names of a V collective's split arguments (api.Communicator's parameter names), each with the
+# entry a rank gives for one pair of ranks (producer "p", consumer "c"): (the input side's, the output
+# side's). Other namings are run with run(in_splits=, out_splits=): SPLIT_ARGS_RUN.
+SPLIT_ARGS = {
+    "all_to_all_v": (("input_splits", "c"), ("output_splits", "p")),
+    "all_gather_v": (("sizes", "p"), ("sizes", "p")),
+    "reduce_scatter_v": (("sizes", "c"), ("sizes", "c")),
+}
+SPLIT_ARGS_RUN = (("in_splits", "c"), ("out_splits", "p"))
+
+
 def rows_phrase(n: int) -> str:
     """``1 row`` or ``n rows``: a row count in an error message."""
     return f"{n} row{'s' if n != 1 else ''}"

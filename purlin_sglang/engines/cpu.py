@@ -21,18 +21,9 @@ from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 from . import cpu_moe
-from .base import CallContext, describe_info, mismatch_message, rows_phrase
+from .base import SPLIT_ARGS, SPLIT_ARGS_RUN, CallContext, describe_info, mismatch_message, rows_phrase
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-
-
-# How each V collective's caller names the sizes a sender and a receiver give for one pair of ranks
-# (api.Communicator's parameter names); other namings are run with run(in_splits=, out_splits=).
-_SPLIT_TERMS = {
-    "all_to_all_v": ("input_splits[{c}]", "output_splits[{p}]"),
-    "all_gather_v": ("sizes[{p}]", "sizes[{p}]"),
-    "reduce_scatter_v": ("sizes[{c}]", "sizes[{c}]"),
-}
 
 
 def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int) -> str:
@@ -40,11 +31,13 @@ def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int)
     in rows, with the caller's argument names."""
     x = ctx.x
     row = x.element_size() * (int(torch.Size(x.shape[1:]).numel()) if x.dim() else 1)
-    send_term, recv_term = _SPLIT_TERMS.get(ctx.op, ("in_splits[{c}]", "out_splits[{p}]"))
+    (send_arg, send_at), (recv_arg, recv_at) = SPLIT_ARGS.get(ctx.op, SPLIT_ARGS_RUN)
+    at = {"p": p, "c": c}
+    send_term, recv_term = f"{send_arg}[{at[send_at]}]", f"{recv_arg}[{at[recv_at]}]"
     def rows(n: int) -> str:
         return rows_phrase(n // row) if row and n % row == 0 else f"{n} bytes"
-    return (f"{ctx.op}: rank {p} sends {rows(sent)} to rank {c} (its {send_term.format(p=p, c=c)}), but rank {c} "
-            f"expects {rows(expected)} from rank {p} (its {recv_term.format(p=p, c=c)}) in call #{ctx.seq}; the split "
+    return (f"{ctx.op}: rank {p} sends {rows(sent)} to rank {c} (its {send_term}), but rank {c} "
+            f"expects {rows(expected)} from rank {p} (its {recv_term}) in call #{ctx.seq}; the split "
             "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
 
 
