@@ -6,7 +6,8 @@
 # $OUT/summary.txt, $OUT/serving.json ({"runs": [...]}), $OUT/logs.tgz (every server log, run record and
 # offline result), $OUT/offline-tp*.png. Every step has its own timeout and the script goes on after a failure.
 #
-# STEPS (default "setup tp1 tp2"): setup = install the wheels into /tmp/site and build purlin (skipped
+# STEPS (default "setup tp1 tp2"): the named steps run in this order: setup core tp1ab tp1pair tp1 tp2 tp4
+#   tp4ref tp4p det moe offline, whatever their order in STEPS. setup = install the wheels into /tmp/site and build purlin (skipped
 #   when the same sources are already installed on a warm machine);
 #   core     tp1-nccl, tp2-gloo-ref, tp2-purlin-eager, tp1-purlin-yaml, tp2-purlin-graph (the runs below,
 #            most important first, for a short call)

@@ -34,23 +34,23 @@ def main() -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     has_check = hasattr(ps.PurlinConfig(), "device_call_check")
+
+    def emit(name: str, check, r: dict) -> None:
+        print(json.dumps({"label": a.label, "case": name, "check": check, "us_per_call": round(r["us_per_call"], 3),
+                          "by_rank": r["us_per_call_by_rank"]}), flush=True)
+
     for name in a.cases.split(","):
         world, kib, blocks = CASES[name]
         if name.startswith("floor"):
-            if not hasattr(bench, "floor_case"):
-                continue
-            r = bench.floor_case(world, kib << 10, 50, 20, timings=a.timings)
-            print(json.dumps({"label": a.label, "case": name, "check": None, "us_per_call": round(r["us_per_call"], 3),
-                              "by_rank": r["us_per_call_by_rank"]}), flush=True)
+            if hasattr(bench, "floor_case"):
+                emit(name, None, bench.floor_case(world, kib << 10, 50, 20, timings=a.timings))
             continue
         cuda_engine.MAX_BLOCKS = blocks
         for check in ((False, True) if has_check else (None,)):
             cfg = {"staging_bytes": 1 << 20, "tuning": {"algorithm": "packet"}}
             if check is not None:
                 cfg["device_call_check"] = check
-            r = bench.graph_case(world, kib << 10, 50, 20, cfg, timings=a.timings)
-            print(json.dumps({"label": a.label, "case": name, "check": check, "us_per_call": round(r["us_per_call"], 3),
-                              "by_rank": r["us_per_call_by_rank"]}), flush=True)
+            emit(name, check, bench.graph_case(world, kib << 10, 50, 20, cfg, timings=a.timings))
     cuda_engine.MAX_BLOCKS = 16
 
 
