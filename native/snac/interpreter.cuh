@@ -174,13 +174,6 @@ __device__ inline void give_signal(const long long* o, const PurlinSnacParams& p
   }
 }
 
-// Records i, i+1, ... with opcode `code`: the length of the run starting at i.
-__device__ __forceinline__ long long run_length(const PurlinSnacParams& p, long long i, int code) {
-  long long n = 1;
-  while (i + n < p.n_ops && int(p.ops[(i + n) * kOpWords] & 0xff) == code) ++n;
-  return n;
-}
-
 __device__ inline bool exec_wait(const long long* o, const PurlinSnacParams& p, long long index) {
   const int kind = int((o[0] >> 8) & 0xff);
   const long long peer = o[1], item = o[2], k = o[3];

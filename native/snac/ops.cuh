@@ -166,4 +166,12 @@ __device__ __forceinline__ bool reduce_record_ok(long long w0) {
   return op >= PURLIN_REDUCE_SUM && op <= PURLIN_REDUCE_MIN && k >= 1 && k <= PURLIN_REDUCE_MAX_SOURCES;
 }
 
+// Records i, i+1, ... with opcode `code`: the length of the run starting at i (the interpreter's runs of
+// signals and waits, the packet kernel's runs of copies).
+__device__ __forceinline__ long long run_length(const PurlinSnacParams& p, long long i, int code) {
+  long long n = 1;
+  while (i + n < p.n_ops && int(p.ops[(i + n) * kOpWords] & 0xff) == code) ++n;
+  return n;
+}
+
 }  // namespace purlin::snac

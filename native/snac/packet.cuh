@@ -326,8 +326,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
         }
         break;
       case kPacketCopy: {  // a run of copies, 8 records at a time (exec_packet_copies)
-        long long run = 1;
-        while (i + run < p.n_ops && int(p.ops[(i + run) * kOpWords] & 0xff) == kPacketCopy) ++run;
+        const long long run = run_length(p, i, kPacketCopy);
         bool ok = true;
         for (long long g = 0; g < run && ok; g += 8) {
           ok = exec_packet_copies<kCheck>(o + g * kOpWords, int(run - g < 8 ? run - g : 8), p, epoch, i + g);
