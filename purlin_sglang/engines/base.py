@@ -141,6 +141,12 @@ class Engine(Protocol):
 
     ``broken`` is None while usable, else why not (set by :meth:`mark_broken` or a recorded failure).
     ``packets``: whether the engine runs packet plans (the planner may then choose ``"packet"``).
+
+    Optional, a steady state for repeated calls (the CUDA engine has it): ``bind(sched, ctx)``, called
+    once after :meth:`execute` ran a call of a new shape, returns an object prepared for calls of that
+    shape; later calls of the shape are ``launch(bound, x, y, seq)`` instead of :meth:`execute` (the
+    communicator has checked the engine usable and the tensors; ``seq`` is the call number). Not
+    used where a loopback launch gate must see every call.
     """
 
     name: str
