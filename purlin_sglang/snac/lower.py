@@ -18,7 +18,7 @@ from typing import Union
 
 from ..collectives import ReduceOp
 from ..errors import PurlinPlanError
-from .plan import Ack, Buf, ConsumeStep, Drain, DrainAll, Notify, Plan, Push, Ref, Stage, Wait
+from .plan import Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Notify, Plan, Push, Ref, Stage, Wait
 from .planner import consumers, producers
 from .policy import ALIGN, PACKET_WINDOW_BYTES, max_items
 
@@ -194,20 +194,27 @@ def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     """The packet plan: one round, no chunks (each push fits one receive window). A window holds
     what its producer pushed me, as long as the region it lands in (the naming's sizes agree).
 
-    Empty pushes and consumes stay (a V form's empty slice): each still moves one packet, because
-    the window-reuse rule needs a push between every ordered pair in every packet call. A call that
-    moves no byte on this rank has no op at all; for every collective with a packet form that holds
-    on every rank alike (planner.largest_push), so no rank's epoch moves."""
+    Empty pushes and consumes stay (a V form's empty slice), and so do a rooted form's beats: each
+    still moves one packet, because the window-reuse rule needs a push between every ordered pair in
+    every packet call. A call of an unrooted form that moves no byte on this rank has no op at all;
+    for every unrooted collective with a packet form that holds on every rank alike
+    (planner.largest_push), so no rank's epoch moves. A rooted form always runs its pushes and beats:
+    a rank sees only its own side of the naming (the other side of a rooted layout may hold anything),
+    so "nothing moves" is not something every rank can tell alike."""
     me, world = plan.rank, plan.world
     send, recv = [0] * world, [0] * world
     ops: list[Op] = []
-    if not any(sizes.input) and not any(sizes.output):
+    if not plan.spec.rooted and not any(sizes.input) and not any(sizes.output):
         return Schedule(plan, sizes, (), tuple(send), tuple(recv), 0)
     for s in plan.program.body:
         if isinstance(s, Push):
             off, n = _window_region(plan, r, s.src)
             ops.append(PacketPut(s.peer, Span(Buf.INPUT, me, off, n)))
             send[s.peer] += n
+        elif isinstance(s, Beat):  # one empty packet: no byte of any buffer is read
+            ops.append(PacketPut(s.peer, Span(Buf.INPUT, me, 0, 0)))
+        elif isinstance(s, Hear):  # waits for that packet; no byte of any buffer is written
+            ops.append(PacketCopy(Span(Buf.OUTPUT, me, 0, 0), Span(Buf.WINDOW, s.peer, 0, 0)))
         elif isinstance(s, ConsumeStep):
             off, n = _window_region(plan, r, s.dst)
             srcs = []

@@ -101,6 +101,28 @@ class Push:
 
 
 @dataclass(frozen=True)
+class Beat:
+    """Push one empty packet into ``peer``'s receive window: a pair of ranks between which the naming
+    moves nothing (a rooted collective's silent pairs) still exchanges a packet every packet call,
+    which the window-reuse rule needs (snac/packet.cuh)."""
+
+    peer: int
+
+    def __str__(self) -> str:
+        return f"beat -> window of r{self.peer} (one empty packet)"
+
+
+@dataclass(frozen=True)
+class Hear:
+    """Wait for ``peer``'s empty packet (its :class:`Beat`) in my receive window."""
+
+    peer: int
+
+    def __str__(self) -> str:
+        return f"hear r{self.peer}'s beat (one empty packet)"
+
+
+@dataclass(frozen=True)
 class Notify:
     item: int
     peers: tuple[int, ...]
@@ -139,7 +161,7 @@ class Ack:
         return f"ack r{self.peer}.item{self.item}"
 
 
-Step = Union[DrainAll, Drain, Stage, Push, Notify, Wait, ConsumeStep, Ack]
+Step = Union[DrainAll, Drain, Stage, Push, Beat, Hear, Notify, Wait, ConsumeStep, Ack]
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ copies or reduces them into its output. Two shapes of program come out:
 
 * ``oneshot`` (latency regime, and every copy collective): each consumer reads
   every producer's contribution directly, one step.
-* ``packet`` (latency regime of every fixed-size collective in which every rank sends to
-  every other rank, engines with the packet protocol): each producer pushes what the naming
-  sends each consumer into that consumer's receive window as flag-in-data packets; consumers
-  copy or reduce straight from their windows. No staging, no signals, no acks: one step,
-  twice the bytes.
+* ``packet`` (latency regime of every fixed-size collective, engines with the packet protocol):
+  each producer pushes what the naming sends each consumer into that consumer's receive window as
+  flag-in-data packets; consumers copy or reduce straight from their windows; a pair of ranks the
+  naming leaves silent (rooted forms) exchanges one empty packet. No staging, no signals, no acks:
+  one step, twice the bytes.
 * ``twoshot`` (partitioned; reductions into a packed output that every rank
   receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
   reduces part ``q`` from everyone into a staging item, then every rank copies
@@ -28,7 +28,8 @@ from __future__ import annotations
 from ..collectives import COPY, CollectiveSpec
 from ..errors import PurlinPlanError
 from .plan import (
-    Ack, Buf, ConsumeStep, Drain, DrainAll, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step, Wait,
+    Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step,
+    Wait,
 )
 from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy, max_items
 
@@ -42,22 +43,26 @@ def consumers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, 
 
 
 def has_packet_form(spec: CollectiveSpec) -> bool:
-    """Whether ``spec`` may run the packet protocol: every rank pushes to every other, and every rank
-    knows every push's size.
+    """Whether ``spec`` may run the packet protocol: every rank knows every push's size, so that all
+    ranks agree on the algorithm without exchanging sizes (a packet call advances every rank's epoch,
+    a staged one does not).
 
-    * Fixed forms: yes. V forms whose sizes every rank passes in full (a packed side and a sliced
-      side: all_gather_v's and reduce_scatter_v's ``sizes``): yes, since all ranks must agree on the
-      algorithm without exchanging sizes (a packet call advances every rank's epoch, a staged one does
-      not), and they choose from the largest push, which each of them can compute. A rank's empty
-      slice still travels as one empty packet (snac/packet.cuh: packet_count).
-    * V forms sliced on both sides (all_to_all_v) never: a rank knows only its own splits.
-    * Rooted forms never: a window parity is rewritten two packet calls later, which is safe only
-      because each producer, in the packet call in between, waits for packets its consumer sent after
-      finishing the earlier call. That needs a push between every ordered pair of ranks in every
-      packet call; the root of a rooted input (or the other ranks of a rooted output) would wait
-      for nobody and could overwrite a window its reader has not read yet.
+    * Fixed forms, rooted ones included: yes. A window parity is rewritten two packet calls later,
+      which is safe only because each producer, in the packet call in between, waits for packets its
+      consumer sent after finishing the earlier call: that needs a push between every ordered pair of
+      ranks in every packet call. Where the naming moves nothing between a pair (the non-roots of
+      a rooted input, to each other and to the root; likewise for a rooted output), the plan sends one
+      empty packet instead (:class:`Beat`, waited for by a :class:`Hear`); without it the root would
+      wait for nobody and could overwrite a window its reader has not read yet. Every rank's input
+      is the same size (as torch.distributed asks), so all of them choose alike.
+    * V forms whose sizes every rank passes in full (a packed side and a sliced side, no root:
+      all_gather_v's and reduce_scatter_v's ``sizes``): yes; they choose from the largest push, which
+      each rank can compute. A rank's empty slice still travels as one empty packet (snac/packet.cuh:
+      packet_count).
+    * Other V forms never: sliced on both sides (all_to_all_v), a rank knows only its own splits; a
+      rooted V form's sizes are known to its root only.
     """
-    return not spec.rooted and not (spec.variable and spec.input.sliced and spec.output.sliced)
+    return not spec.variable or not (spec.rooted or (spec.input.sliced and spec.output.sliced))
 
 
 def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> int:
@@ -195,8 +200,8 @@ def make_plan(
 def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
     """A chosen ``algorithm`` must be one that ``spec`` has (what :func:`choose_algorithm` can answer)."""
     if algorithm == "packet" and not has_packet_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no packet form (rooted collectives and V forms sliced on both "
-                              "sides stay staged)")
+        raise PurlinPlanError(f"{spec.name}: has no packet form (V forms sliced on both sides, and rooted V forms, "
+                              "stay staged)")
     if algorithm == "twoshot" and not _reduces_to_all(spec):
         raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
                               "packed output on every rank)")
@@ -264,13 +269,15 @@ def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
 
 def _packet(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:
     """Push what I send each consumer into its window (rotated: start at me + 1), then consume the
-    packets each producer pushed to me: one copy per producer, or one reduce in rank order."""
+    packets each producer pushed to me: one copy per producer, or one reduce in rank order. A pair
+    of ranks between which the naming moves nothing (rooted forms) exchanges one empty packet
+    (:class:`Beat`, then :class:`Hear` after my consumes): the window-reuse rule of has_packet_form."""
     prods, cons = producers(spec, world, root), consumers(spec, world, root)
-    body: list[Step] = []
-    if me in prods:
-        body += [Push(_sent(spec, me, c), c) for c in ((me + d) % world for d in range(1, world)) if c in cons]
+    others = [(me + d) % world for d in range(1, world)]
+    body: list[Step] = [Push(_sent(spec, me, c), c) if me in prods and c in cons else Beat(c) for c in others]
     if me in cons:
         body += _consume(spec, me, prods, lambda p: Ref(Buf.WINDOW, p))
+    body += [Hear(p) for p in others if not (p in prods and me in cons)]
     peers = [s.peer for s in body if isinstance(s, Push)]
     windows = [x.rank for s in body if isinstance(s, ConsumeStep) for x in s.srcs if x.buf is Buf.WINDOW]
     if len(set(peers)) < len(peers) or len(set(windows)) < len(windows):  # the window is per producer

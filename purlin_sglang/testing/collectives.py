@@ -75,8 +75,8 @@ ROOTED = ("broadcast", "gather", "reduce", "scatter")
 
 
 FIXED = tuple(c for c in COLLECTIVES if not c.endswith("_v"))  # the non-V collectives, user specs included
-PACKET_FORMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v",
-                "reduce_scatter_v")  # snac.has_packet_form
+PACKET_FORMS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v",
+                "broadcast", "gather", "reduce", "scatter")  # snac.has_packet_form: fixed forms, unrooted V forms
 
 
 def user_spec(name: str):
@@ -234,9 +234,10 @@ def check_case(comm, c: dict, *, paths=("out", "default", "inplace")) -> dict:
 
 
 def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list[dict]:
-    """Every non-V collective at 0 bytes, 1 element, odd byte counts and a full 256 KiB receive window
-    per push (``rows`` is per slice for sliced inputs); ``staged``: V calls interleaved (all_to_all_v
-    stays staged; all_gather_v and reduce_scatter_v take packets like the fixed forms); ``large``: and,
+    """Every non-V collective (the rooted ones too) at 0 bytes, 1 element, odd byte counts and a full
+    256 KiB receive window per push (``rows`` is per slice for sliced inputs); ``staged``: V calls
+    interleaved (all_to_all_v stays staged; all_gather_v and reduce_scatter_v take packets like the
+    fixed forms); ``large``: and,
     midway, two payloads past a window (``auto`` stages them; forced packets refuse them)."""
     cases = []
     for i, coll in enumerate(FIXED):
@@ -257,6 +258,22 @@ def packet_cases(seed: int, *, staged: bool = True, large: bool = False) -> list
         cases[half:half] = [case("all_reduce", torch.float32, rows=1024, width=80, seed=seed + 200),
                             case("all_gather", torch.bfloat16, rows=1024, width=129, seed=seed + 201)]
     return cases
+
+
+def rooted_packet_cases(seed: int, world: int) -> list[dict]:
+    """The rooted collectives back to back, the root moving through every rank, payloads of 0 bytes to
+    a few KiB, a packet all_reduce every third call. A rank's third packet call rewrites the window
+    parity of its first, which is safe only because every pair of ranks the naming leaves silent
+    exchanges one empty packet per call (snac/planner.py: Beat, Hear)."""
+    out = []
+    for i in range(2 * world + 2):
+        coll = ROOTED[i % len(ROOTED)]
+        red = coll in REDUCING
+        out.append(case(coll, torch.bfloat16 if red else torch.float32, rows=(0, 1, 7, 40)[i % 4], width=33,
+                        op="sum" if red else None, seed=seed + i, root=(3 * i + 1) % world, salt=i))
+        if i % 3 == 2:
+            out.append(case("all_reduce", torch.float32, rows=2, width=5, seed=seed + 100 + i))
+    return out
 
 
 def v_packet_cases(seed: int) -> list[dict]:

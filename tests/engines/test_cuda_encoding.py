@@ -18,7 +18,7 @@ import torch
 import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
 from purlin_sglang.testing.collectives import (
-    COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases, v_packet_cases,
+    COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases, rooted_packet_cases, v_packet_cases,
 )
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang import native
@@ -268,7 +268,7 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
     """The encoded packet tables (PACKET_PUT / PACKET_COPY / PACKET_REDUCE) of every collective with a
     packet form (all_gather_v and reduce_scatter_v with empty slices among them), bitwise the torch
     reference, out= and in place, interleaved with staged calls; the rooted ones (broadcast in place
-    included) and all_to_all_v run staged."""
+    included) take packets too, and all_to_all_v runs staged."""
     # auto: a full window takes packets too (packet_max_bytes raised to the window), payloads past it stage
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20,
            "tuning": {"algorithm": algorithm, "packet_max_bytes": PACKET_MAX_BYTES}}
@@ -287,6 +287,21 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
         want["all_reduce"].add("twoshot")
         want["all_gather"].add("oneshot")
     assert ran == want
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_rooted_packet_tables_back_to_back_with_the_root_moving(sim, world):
+    """Broadcast (out= and in place), gather, reduce and scatter under auto take packets: the silent
+    pairs exchange one empty packet each call, so calls back to back with a new root each time (0-byte
+    calls among them) and packet all_reduces in between are bitwise the torch reference."""
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20}
+    cases = rooted_packet_cases(SEED + world, world)
+    _RAN.clear()
+    try:
+        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    assert set(_RAN) == {(c, "packet") for c in ("broadcast", "gather", "reduce", "scatter", "all_reduce")}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,9 +1,9 @@
 """The packet protocol on the GPU (loopback ranks on one GPU): every collective with a packet form
-(all_reduce, all_gather, reduce_scatter, all_to_all) runs PACKET_PUT / PACKET_COPY / PACKET_REDUCE
-tables, bitwise the CPU engine (which runs oneshot for the same calls), at edge sizes, every copy
-dtype, every reduce op, in place, and in one sequence with staged calls. The collectives without a
-packet form (all_to_all_v, rooted: broadcast in place included) run staged in the same sequences;
-all_gather_v and reduce_scatter_v take packets, empty slices among them.
+(all_reduce, all_gather, reduce_scatter, all_to_all, and the rooted ones: broadcast, in place
+included, gather, reduce, scatter) runs PACKET_PUT / PACKET_COPY / PACKET_REDUCE tables, bitwise the
+CPU engine (which runs oneshot for the same calls), at edge sizes, every copy dtype, every reduce op,
+in place, and in one sequence with staged calls. all_to_all_v has no packet form and runs staged in
+the same sequences; all_gather_v and reduce_scatter_v take packets, empty slices among them.
 Short on purpose (device time is scarce): a handful of check() calls, each one sequence of calls."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from _engine_check import CFG, SEED, check  # noqa: E402
-from purlin_sglang.testing.collectives import COPY_DTYPES, OPS, case, packet_cases, v_packet_cases  # noqa: E402
+from purlin_sglang.testing.collectives import (  # noqa: E402
+    COPY_DTYPES, OPS, case, packet_cases, rooted_packet_cases, user_spec, v_packet_cases,
+)
+import purlin_sglang as ps  # noqa: E402
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES  # noqa: E402
 
 pytestmark = [
@@ -25,8 +28,8 @@ FORCED = {**CFG, "tuning": {"algorithm": "packet"}}
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_forced_packets_every_fixed_size_collective(world):
-    """0 bytes, 1 element, odd byte counts, a full 64 KiB window per push; V calls interleaved; the
-    in-place all_reduce (packets) and broadcast (staged) at the end of the same sequence."""
+    """0 bytes, 1 element, odd byte counts, a full window per push; V calls interleaved; the in-place
+    all_reduce and broadcast (both packets) at the end of the same sequence."""
     check(world, packet_cases(SEED + world), config=FORCED)
 
 
@@ -46,6 +49,18 @@ def test_auto_packets_interleaved_with_staged_calls(world):
     """auto: the small calls take packets; payloads past a window stage (oneshot / twoshot) in between,
     so windows and staging alternate within one sequence."""
     check(world, packet_cases(SEED + 50 + world, large=True))
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_rooted_forms_take_packets_back_to_back_with_the_root_moving(world):
+    """Broadcast, gather, reduce, scatter under auto (packets), the root a new rank each call, 0-byte
+    calls among them, packet all_reduces in between: the ranks a rooted naming leaves silent exchange
+    one empty packet per call, without which a root could overwrite a window before it is read."""
+    rooted = [user_spec(n) for n in ("gather", "reduce", "scatter")] + ["broadcast"]
+    algs = ps.run_virtual(world, lambda comm: [comm.algorithm(s, 40 * 33 * 4) for s in rooted], device="cuda",
+                          config=CFG)
+    assert algs == [["packet"] * 4] * world
+    check(world, rooted_packet_cases(SEED + 300 + world, world))
 
 
 @pytest.mark.parametrize("world", [3, 8])

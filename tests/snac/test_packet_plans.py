@@ -1,8 +1,9 @@
 """The packet protocol's plans (latency regime): which collectives have a packet form, the plan
 derived from the naming (pushes into receive windows, one copy per producer or one reduce in rank
-order), its lowering at edge sizes (0 bytes, 1 byte, odd counts, a full receive window), the V forms
-whose sizes every rank knows (empty slices still push one packet), the regime choice, and the
-window-reuse rule that keeps rooted collectives off packets."""
+order, one empty packet each way between the ranks a rooted naming leaves silent), its lowering at
+edge sizes (0 bytes, 1 byte, odd counts, a full receive window), the V forms whose sizes every rank
+knows (empty slices still push one packet), the regime choice, and the window-reuse rule that the
+empty packets keep for rooted collectives."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import simulator as S
 from purlin_sglang.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, CATALOG, REDUCE_SCATTER
 from purlin_sglang.errors import PurlinPlanError
 from purlin_sglang.snac import (
-    Buf, ConsumeStep, PacketCopy, PacketPut, PacketReduce, Plan, Push, RankProgram, TuningPolicy, choose_algorithm,
-    has_packet_form, lower, make_plan,
+    Beat, Buf, ConsumeStep, Hear, PacketCopy, PacketPut, PacketReduce, Plan, Push, RankProgram, TuningPolicy,
+    choose_algorithm, has_packet_form, lower, make_plan,
 )
 from purlin_sglang.snac.planner import _packet, largest_push
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
@@ -25,85 +26,119 @@ FORCED = TuningPolicy(algorithm="packet")
 STAGING = 1 << 20
 
 
+def _root(spec, world):
+    """A root that is neither rank 0 nor the last rank where the world allows (None: no root)."""
+    return (world // 2) if spec.rooted else None
+
+
 def _lowered(spec, world, nbytes, policy=FORCED):
     """Every rank's packet schedule, ``nbytes`` per push (the naming's one size)."""
-    sizes = S.consistent_sizes(spec, world, None, [[nbytes] * world] * world, [[0] * world] * world)
-    return S.lower_all(spec, world, None, sizes, staging_bytes=STAGING, policy=policy), sizes
+    root = _root(spec, world)
+    sizes = S.consistent_sizes(spec, world, root, [[nbytes] * world] * world, [[0] * world] * world)
+    return S.lower_all(spec, world, root, sizes, staging_bytes=STAGING, policy=policy), sizes
 
 
-def test_packet_forms_are_the_collectives_without_a_root_whose_sizes_every_rank_knows():
+def _data_pair(spec, world, root, p, c) -> bool:
+    """Whether the naming moves a region from p to c (else the pair exchanges one empty packet)."""
+    return p in S.producers(spec, world, root) and c in S.consumers(spec, world, root)
+
+
+def test_packet_forms_are_the_collectives_whose_sizes_every_rank_knows():
     assert {n for n, s in CATALOG.items() if has_packet_form(s)} == {
-        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v"}
-    assert not any(has_packet_form(s) for s in S.USER_SPECS.values())  # gather, reduce, scatter (V too)
-    for spec in ALL_SPECS:  # all_to_all_v-like namings: a rank knows only its own splits
-        both_sliced_v = spec.variable and spec.input.sliced and spec.output.sliced
-        assert has_packet_form(spec) == (not spec.rooted and not both_sliced_v), spec
-    assert len(PACKET_SPECS) >= 8  # the catalog's six plus user namings like them
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v", "reduce_scatter_v", "broadcast"}
+    user = {n for n, s in S.USER_SPECS.items() if has_packet_form(s)}
+    assert user == {n for n, s in S.USER_SPECS.items() if not s.variable} and user  # gather, reduce, scatter
+    for spec in ALL_SPECS:  # all_to_all_v-like namings: a rank knows only its own splits; rooted V: the root only
+        assert has_packet_form(spec) == (not spec.variable or not (
+            spec.rooted or (spec.input.sliced and spec.output.sliced))), spec
+    assert len(PACKET_SPECS) >= 12  # the catalog's seven plus user namings like them
+    assert any(s.rooted and s.input.rooted for s in PACKET_SPECS) and any(s.output.rooted for s in PACKET_SPECS)
 
 
 @pytest.mark.parametrize("spec", PACKET_SPECS, ids=lambda s: s.name)
 def test_packet_plan_is_derived_from_the_naming(spec):
     for world in range(1, 9):
-        for me in range(world):
-            plan = make_plan(spec, world, me, staging_bytes=STAGING, policy=FORCED)
-            assert plan.algorithm == "packet" and plan.program.items == () and plan.program.prologue == ()
-            assert (plan.n_items, plan.slots, plan.chunk_bytes) == (0, 1, PACKET_WINDOW_BYTES)
-            pushes = [s for s in plan.program.body if isinstance(s, Push)]
-            consumes = [s for s in plan.program.body if isinstance(s, ConsumeStep)]
-            assert len(pushes) + len(consumes) == len(plan.program.body)
-            # every other rank once, rotated from me + 1: the push graph is complete
-            assert [s.peer for s in pushes] == [(me + d) % world for d in range(1, world)]
-            for s in pushes:
-                assert (s.src.buf, s.src.rank, s.src.part) == (Buf.INPUT, me, (0, 1))
-                assert s.src.index == (s.peer if spec.input.sliced else None)
-            mine = (Buf.INPUT, me, me if spec.input.sliced else None)
-            if spec.consume.is_copy:
-                assert [c.dst.index for c in consumes] == list(range(world))  # one copy per producer, slice p
-                for p, c in enumerate(consumes):
-                    assert c.consume.is_copy and c.dst.buf is Buf.OUTPUT and len(c.srcs) == 1
-                    (x,) = c.srcs
-                    assert (x.buf, x.rank, x.index) == (mine if p == me else (Buf.WINDOW, p, None))
-            else:
-                (c,) = consumes  # one reduce over every producer in rank order
-                assert c.consume == spec.consume and (c.dst.buf, c.dst.index) == (Buf.OUTPUT, None)
-                assert [(x.buf, x.rank, x.index) for x in c.srcs] == \
-                    [mine if p == me else (Buf.WINDOW, p, None) for p in range(world)]
+        for root in (range(world) if spec.rooted else (None,)):
+            prods, cons = S.producers(spec, world, root), S.consumers(spec, world, root)
+            for me in range(world):
+                plan = make_plan(spec, world, me, root=root, staging_bytes=STAGING, policy=FORCED)
+                assert plan.algorithm == "packet" and plan.program.items == () and plan.program.prologue == ()
+                assert (plan.n_items, plan.slots, plan.chunk_bytes) == (0, 1, PACKET_WINDOW_BYTES)
+                body = plan.program.body
+                sends = [s for s in body if isinstance(s, (Push, Beat))]
+                consumes = [s for s in body if isinstance(s, ConsumeStep)]
+                hears = [s for s in body if isinstance(s, Hear)]
+                assert body == tuple(sends + consumes + hears)
+                # every other rank once, rotated from me + 1: the push graph is complete, a push where the
+                # naming moves a region, else one empty packet (a beat), heard after my consumes
+                others = [(me + d) % world for d in range(1, world)]
+                assert [s.peer for s in sends] == others
+                assert [isinstance(s, Push) for s in sends] == [_data_pair(spec, world, root, me, c) for c in others]
+                assert [h.peer for h in hears] == [p for p in others if not _data_pair(spec, world, root, p, me)]
+                for s in sends:
+                    if isinstance(s, Push):
+                        assert (s.src.buf, s.src.rank, s.src.part) == (Buf.INPUT, me, (0, 1))
+                        assert s.src.index == (s.peer if spec.input.sliced else None)
+                if me not in cons:
+                    assert consumes == []
+                    continue
+                mine = (Buf.INPUT, me, me if spec.input.sliced else None)
+                if spec.consume.is_copy or spec.output.sliced:
+                    want = [p for p in range(world) if p in prods]
+                    assert [c.dst.index for c in consumes] == (want if spec.output.sliced else [None] * len(want))
+                    for p, c in zip(want, consumes):  # one copy per producer, into slice p (or the whole output)
+                        assert c.consume.is_copy and c.dst.buf is Buf.OUTPUT and len(c.srcs) == 1
+                        (x,) = c.srcs
+                        assert (x.buf, x.rank, x.index) == (mine if p == me else (Buf.WINDOW, p, None))
+                else:
+                    (c,) = consumes  # one reduce over every producer in rank order
+                    assert c.consume == spec.consume and (c.dst.buf, c.dst.index) == (Buf.OUTPUT, None)
+                    assert [(x.buf, x.rank, x.index) for x in c.srcs] == \
+                        [mine if p == me else (Buf.WINDOW, p, None) for p in prods]
 
 
 @pytest.mark.parametrize("spec", PACKET_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 4096 + 3, PACKET_WINDOW_BYTES])
 def test_lowered_packet_schedules_at_edge_sizes(spec, nbytes):
     """Each output byte written exactly once, each push fits a window and lands whole in the
-    consumer's window of its producer, one push per consumer, reductions in rank order."""
+    consumer's window of its producer, one push per other rank (an empty one between the ranks a
+    rooted naming leaves silent), reductions in rank order."""
     for world in (1, 2, 3, 8):
         scheds, sizes = _lowered(spec, world, nbytes)
+        root = _root(spec, world)
+        cons = S.consumers(spec, world, root)
         for r, sched in enumerate(scheds):
             ops = sched.ops
-            if nbytes == 0:  # a call that moves nothing has no op: no rank's epoch moves
+            data = [c for c in range(world) if c != r and _data_pair(spec, world, root, r, c)]
+            if nbytes == 0 and not spec.rooted:  # a call that moves nothing has no op: no rank's epoch moves
                 assert ops == () and sched.send_bytes == (0,) * world == sched.recv_bytes
                 continue
             assert all(isinstance(op, (PacketPut, PacketCopy, PacketReduce)) for op in ops)
             puts = [op for op in ops if isinstance(op, PacketPut)]
-            assert sorted(op.peer for op in puts) == [c for c in range(world) if c != r]  # one region each
+            assert sorted(op.peer for op in puts) == [c for c in range(world) if c != r]  # every other rank once
             for op in puts:
-                assert op.src.buf is Buf.INPUT and op.src.nbytes == nbytes <= PACKET_WINDOW_BYTES
+                want = nbytes if op.peer in data else 0  # a beat: one empty packet
+                assert op.src.buf is Buf.INPUT and op.src.nbytes == want <= PACKET_WINDOW_BYTES
                 got = [x for o in scheds[op.peer].ops if not isinstance(o, PacketPut)
                        for x in ((o.src,) if isinstance(o, PacketCopy) else o.srcs)
                        if x.buf is Buf.WINDOW and x.rank == r]
-                assert [(x.offset, x.nbytes) for x in got] == [(0, nbytes)], (r, op.peer)  # read once, whole
-            dsts = sorted((op.dst for op in ops if not isinstance(op, PacketPut)), key=lambda d: d.offset)
+                assert [(x.offset, x.nbytes) for x in got] == [(0, want)], (r, op.peer)  # read once, whole
+            dsts = sorted((op.dst for op in ops if not isinstance(op, PacketPut) and op.dst.nbytes),
+                          key=lambda d: d.offset)
             pos = 0
             for d in dsts:
                 assert d.buf is Buf.OUTPUT and d.rank == r and d.offset == pos, (r, dsts)
                 pos += d.nbytes
-            assert pos == sum(sizes[r].output)
+            assert pos == (sum(sizes[r].output) if r in cons else 0)
             for op in ops:
                 if isinstance(op, PacketReduce):
-                    assert [x.rank for x in op.srcs] == list(range(world))
+                    assert [x.rank for x in op.srcs] == list(S.producers(spec, world, root))
                     assert all(x.nbytes == op.dst.nbytes for x in op.srcs)
                 elif isinstance(op, PacketCopy) and op.src.buf is not Buf.WINDOW:
                     assert (op.src.buf, op.src.rank, op.src.nbytes) == (Buf.INPUT, r, op.dst.nbytes)
-            assert sched.send_bytes == tuple(0 if c == r else nbytes for c in range(world)) == sched.recv_bytes
+            assert sched.send_bytes == tuple(nbytes if c in data else 0 for c in range(world))
+            assert sched.recv_bytes == tuple(nbytes if p != r and _data_pair(spec, world, root, p, r) else 0
+                                             for p in range(world))
             assert sched.staging_used == 0
 
 
@@ -232,8 +267,8 @@ def test_auto_takes_packets_while_the_largest_push_fits():
     assert choose_algorithm(ALL_REDUCE, 64, TuningPolicy(algorithm="twoshot"), packets=True, world=2) == "twoshot"
 
 
-def _call(spec, world, nbytes, rng, scheds=None):
-    root = 0 if spec.rooted else None
+def _call(spec, world, nbytes, rng, scheds=None, root=0):
+    root = root if spec.rooted else None
     sizes = S.consistent_sizes(spec, world, root, [[nbytes] * world] * world, [[nbytes] * world] * world)
     dtype = None if spec.consume.is_copy else np.float32
     if scheds is None:
@@ -257,17 +292,43 @@ def test_back_to_back_packet_calls_never_overwrite_an_unread_window(world, stick
         S.simulate(calls, world=world, staging_bytes=4096, seed=seed, stickiness=stick)
 
 
-def test_rooted_packet_plans_would_overwrite_unread_windows():
-    """Why rooted collectives have no packet form: a broadcast root waits for nobody, so it can push
-    its third call's packets into a window parity its reader has not read yet (the planner's derivation
-    applied to a rooted naming, bypassing has_packet_form)."""
+def test_rooted_packet_plans_without_beats_would_overwrite_unread_windows():
+    """Why a rooted packet plan sends empty packets between its silent pairs: without them a broadcast
+    root waits for nobody, so it can push its third call's packets into a window parity its reader has
+    not read yet (the planner's plan with its beats and hears taken out)."""
     world, root = 3, 0
     sizes = S.consistent_sizes(BROADCAST, world, root, [[40] * world] * world, [[40] * world] * world)
-    scheds = [lower(Plan(BROADCAST, world, r, root, "packet", PACKET_WINDOW_BYTES, 1, 0,
-                         RankProgram(r, (), (), tuple(_packet(BROADCAST, world, r, root)))), sizes[r])
+    bodies = [tuple(s for s in _packet(BROADCAST, world, r, root) if not isinstance(s, (Beat, Hear)))
               for r in range(world)]
+    scheds = [lower(Plan(BROADCAST, world, r, root, "packet", PACKET_WINDOW_BYTES, 1, 0,
+                         RankProgram(r, (), (), bodies[r])), sizes[r]) for r in range(world)]
     rng = np.random.default_rng(0)
     calls = [_call(BROADCAST, world, 40, rng, scheds) for _ in range(3)]
     S.simulate(calls[:1], world=world, staging_bytes=4096, seed=0, stickiness=1.0)  # one call alone is fine
     with pytest.raises(S.RaceError, match="has not read yet"):
         S.simulate(calls, world=world, staging_bytes=4096, seed=0, stickiness=1.0)
+
+
+ROOTED_PACKET_SPECS = [s for s in PACKET_SPECS if s.rooted]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("stick", [0.0, 0.9, 1.0])
+def test_back_to_back_rooted_packet_calls_never_overwrite_an_unread_window(world, stick):
+    """The planner's rooted packet plans (broadcast, and rooted user namings: gather, reduce, scatter
+    and the like), with their beats, back to back with changing roots, between unrooted packet calls,
+    and 0-byte rooted calls (which still exchange their beats): the simulator lets ranks run ahead
+    and checks every window read and every overwrite, and every output."""
+    rng = np.random.default_rng(200 + world)
+    calls = []
+    for i, spec in enumerate([BROADCAST, BROADCAST, ALL_REDUCE] + ROOTED_PACKET_SPECS + [BROADCAST, ALL_GATHER]):
+        root = (3 * i + 1) % world
+        nbytes = 0 if i == 1 else 8 * (1 + i % 5)
+        calls.append(_call(spec, world, nbytes, rng, root=root))
+    assert sum(c.name == "broadcast" for c in calls) >= 3 and len(calls) >= 8
+    assert all(sc.plan.algorithm == "packet" for c in calls for sc in c.schedules)
+    beats = [op for c in calls if c.name == "broadcast" for sc in c.schedules for op in sc.ops
+             if isinstance(op, PacketPut) and op.src.nbytes == 0]
+    assert len(beats) >= 3 * (world - 1) * (world - 1)  # every non-root to every other rank, every broadcast
+    for seed in range(3):
+        S.simulate(calls, world=world, staging_bytes=4096, seed=seed, stickiness=stick)

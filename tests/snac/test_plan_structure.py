@@ -394,7 +394,7 @@ def test_packet_choice_needs_an_engine_with_packets_and_a_small_payload():
     assert choose_algorithm(ALL_REDUCE, auto.packet_max_bytes + 16, auto, packets=True) == "oneshot"
     assert choose_algorithm(ALL_REDUCE, None, auto, packets=True) == "twoshot"
     assert choose_algorithm(ALL_GATHER, 8192, auto, packets=True) == "packet"  # more in test_packet_plans.py
-    assert choose_algorithm(BROADCAST, 8192, auto, packets=True) == "oneshot"  # rooted: no packet form
+    assert choose_algorithm(BROADCAST, 8192, auto, packets=True) == "packet"  # rooted: beats for silent pairs
     assert choose_algorithm(ALL_REDUCE, 8192, TuningPolicy(packet_max_bytes=0), packets=True) == "oneshot"
     assert choose_algorithm(ALL_REDUCE, 1 << 20, TuningPolicy(algorithm="packet"), packets=True) == "packet"
     assert choose_algorithm(ALL_REDUCE, 8192, TuningPolicy(algorithm="packet")) == "oneshot"
