@@ -25,7 +25,7 @@ class TuningPolicy(BaseModel):
     * ``algorithm``: where the engine has the packet protocol (the CUDA engine; the CPU engine
       runs ``oneshot`` instead, with bitwise the same result), ``auto`` picks ``packet`` for
       every collective with a packet form (fixed sizes: all_reduce, all_gather, reduce_scatter,
-      all_to_all, broadcast and user namings like them) while the largest single push
+      all_to_all, rooted namings too, and user namings like them) while the largest single push
       (the input, or one slice of a sliced input) is at most ``packet_max_bytes``. Otherwise,
       for reductions into a packed output on every rank (all_reduce), ``oneshot`` up to
       ``oneshot_max_bytes``, else ``twoshot`` (also when the size is unknown on the host);
