@@ -159,6 +159,31 @@ def test_cuda_graphs_replay_concurrently(world):
     assert ps.run_virtual(world, fn, device="cuda", config=cfg) == [0] * world, f"seed {SEED}"
 
 
+@pytest.mark.parametrize("check_on", [True, False])
+def test_eager_calls_after_the_first_of_a_shape_launch_through_the_bound_struct(check_on):
+    """One rank (no launch gate): the first call of a shape runs execute() and binds it; every later
+    call is one native call (CudaEngine.launch, the module's snac_launch) on that shape's own struct,
+    with new pointers each call: new inputs, out= and a new output, two shapes interleaved, the
+    packet and the staged kernel. World 1 sums one rank: each output is its input, bitwise."""
+    cfg = {**CFG, "device_call_check": check_on}
+
+    def fn(comm):
+        xs = [torch.randn(n, device=comm.device).to(torch.bfloat16) for n in (4096, 4096, 4096, 300000, 300000)]
+        outs = [comm.all_reduce(x) for x in xs]  # 8 KiB: packets; 600 KB: staged
+        out = torch.full_like(xs[1], float("nan"))
+        assert comm.all_reduce(xs[1], out=out) is out
+        g = torch.randn(5, 3, device=comm.device)
+        gathered = [comm.all_gather(g) for _ in range(3)]
+        comm.synchronize()
+        launches = [type(c.launch).__name__ for c in comm._path.calls.values()]
+        return [torch.equal(o, x) for o, x in zip(outs, xs)] + [torch.equal(out, xs[1])] + [
+            torch.equal(a, g) for a in gathered], launches
+
+    (same, launches), = ps.run_virtual(1, fn, device="cuda", config=cfg)
+    assert all(same), same
+    assert launches == ["_Launch"] * 3, launches  # two all_reduce shapes and the all_gather, each bound
+
+
 def test_timeout_names_op_rank_and_peer_then_a_new_world_works():
     timeout = 2.0
 
