@@ -13,8 +13,13 @@ Two layers are timed per call with ``time.perf_counter_ns`` around each call (me
   call after the first is the steady state: ``CudaEngine.launch`` of the shape bound at the first call,
   one call of the library's ``snac_launch`` (here a fake Python function of the same five arguments).
 
-What is NOT in these figures: the real stream lookup, the ctypes call into the driver and the
-kernel launch. The GPU machine's eager figure (tests/gpu/bench_cuda_engine.py) includes them.
+Then the pieces: the call-cache lookup, the usability checks, a new output by shape and by
+``empty_like``, one call into the native library through the module's ``snac_launch`` and through
+ctypes (a launch the library refuses before touching a device), and the loopback launch gate's two
+rendezvous alone in ``--world`` threads.
+
+What is NOT in these figures: the real stream lookup, the driver and the kernel launch. The GPU
+machine's eager figure (tests/gpu/bench_cuda_engine.py) includes them.
 """
 
 from __future__ import annotations
@@ -147,6 +152,57 @@ def time_calls(call, iters: int, warmup: int = 200) -> dict:
     return {"median_us": statistics.median(ns) / 1e3, "p90_us": ns[int(0.9 * iters)] / 1e3}
 
 
+def native_call_rows(emit, iters: int) -> None:
+    """The cost of one call into the native library, two ways, on a launch the library refuses before it
+    touches a device (a SnacParams naming no ranks: cudaErrorInvalidValue, so this runs without a GPU):
+    the module's snac_launch (the steady state) and ctypes' purlin_snac_execute (a call's first run).
+    Skipped without a CUDA build of the module."""
+    import importlib
+
+    info = native.build_info()
+    if not info.get("cuda"):
+        print(f"(native call rows skipped: {info.get('reason')})")
+        return
+    mod = importlib.import_module("purlin_sglang._native")
+    p = native.SnacParams()
+    addr, ref = ctypes.addressof(p), ctypes.byref(p)
+    lib = ctypes.CDLL(mod.__file__)
+    execute = lib.purlin_snac_execute
+    execute.argtypes = [ctypes.POINTER(native.SnacParams), ctypes.c_void_p]
+    execute.restype = ctypes.c_int
+    if mod.snac_launch(addr, 1, 2, 3, 0) != 1 or execute(ref, 0) != 1:
+        raise SystemExit("the refused launch did not answer cudaErrorInvalidValue")
+    emit("native: module snac_launch, 5 ints (refused launch)", time_calls(lambda: mod.snac_launch(addr, 1, 2, 3, 0),
+                                                                          iters))
+    emit("native: ctypes purlin_snac_execute (refused launch)", time_calls(lambda: execute(ref, 0), iters))
+
+
+def gate_time(world: int, calls: int) -> dict:
+    """Per call, the wall time of ``calls`` calls' two rendezvous of the loopback launch gate (virtual.py)
+    in ``world`` threads, nothing launched: the slowest thread's total / calls (median = p90: one figure)."""
+    import threading
+
+    from purlin_sglang.virtual import LaunchGate
+
+    gate, start = LaunchGate(world, 60.0), threading.Barrier(world)
+    per = [0.0] * world
+
+    def rank(r: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        for seq in range(1, calls + 1):
+            gate.enter(r, seq, "all_reduce", 7, (torch.bfloat16, (4096,)))
+            gate.launched(r, seq, "all_reduce")
+        per[r] = (time.perf_counter() - t0) / calls * 1e6
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"median_us": max(per), "p90_us": max(per)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=8)
@@ -210,6 +266,19 @@ def main() -> None:
     emit("run + CudaEngine, bound: all_reduce 4096 bf16", time_calls(lambda: comm2.all_reduce(x), a.iters))
     if eng.lib.launches != before + 2 * (a.iters + 200) or eng.lib.last_launch[1] != x.data_ptr():
         raise SystemExit("the fake library did not see the expected bound launches")
+
+    # -- the pieces of a call (where the time above goes) ----------------------------------------------
+    from purlin_sglang.collectives import ALL_REDUCE
+
+    path = comm2._path
+    emit("piece: call-cache lookup and tensor checks, out=",
+         time_calls(lambda: path.lookup(ALL_REDUCE, x, out, "sum", None, None, None), a.iters))
+    emit("piece: usability checks", time_calls(lambda: comm2._check_usable("all_reduce"), a.iters))
+    emit("piece: new output, torch.empty(shape, dtype=, device=)",
+         time_calls(lambda: torch.empty((4096,), dtype=bf16, device=x.device), a.iters))
+    emit("piece: new output, torch.empty_like(x)", time_calls(lambda: torch.empty_like(x), a.iters))
+    native_call_rows(emit, a.iters)
+    emit(f"LaunchGate alone, {w} rank threads (loopback eager, world > 1)", gate_time(w, max(200, a.iters // 20)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "world": w, "iters": a.iters, "rows": rows}, f, indent=2)
