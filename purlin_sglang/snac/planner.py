@@ -273,11 +273,15 @@ def _packet(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list
     of ranks between which the naming moves nothing (rooted forms) exchanges one empty packet
     (:class:`Beat`, then :class:`Hear` after my consumes): the window-reuse rule of has_packet_form."""
     prods, cons = producers(spec, world, root), consumers(spec, world, root)
+
+    def moves(p: int, c: int) -> bool:  # the naming moves a region from p to c
+        return p in prods and c in cons
+
     others = [(me + d) % world for d in range(1, world)]
-    body: list[Step] = [Push(_sent(spec, me, c), c) if me in prods and c in cons else Beat(c) for c in others]
+    body: list[Step] = [Push(_sent(spec, me, c), c) if moves(me, c) else Beat(c) for c in others]
     if me in cons:
         body += _consume(spec, me, prods, lambda p: Ref(Buf.WINDOW, p))
-    body += [Hear(p) for p in others if not (p in prods and me in cons)]
+    body += [Hear(p) for p in others if not moves(p, me)]
     peers = [s.peer for s in body if isinstance(s, Push)]
     windows = [x.rank for s in body if isinstance(s, ConsumeStep) for x in s.srcs if x.buf is Buf.WINDOW]
     if len(set(peers)) < len(peers) or len(set(windows)) < len(windows):  # the window is per producer
