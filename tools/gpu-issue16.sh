@@ -7,7 +7,9 @@
 #   3. the engine bench of both builds (tests/gpu/bench_cuda_engine.py) -> $OUT/bench_engine*.json
 #   4. the graph A/B (tools/gpu-graph-ab.sh; ROUNDS, TIMINGS), floor cases included
 #   5. the eager A/B (tools/gpu-eager-ab.sh run; ROUNDS)
-# STEPS: which of "tune coll engine graph eager" to run (default all); COLL_BASE=0 / ENGINE_BASE=0: this build only.
+#   6. "parts" (only when named in STEPS): where the staged one-shot's latency goes, tests/gpu/bench_staged_parts.py
+#      (the 8 KiB one-shot all_reduce with parts of its schedule taken out, worlds 1, 2 and 8) -> $OUT/parts.json
+# STEPS: which of "tune coll engine graph eager parts" to run (default all but parts); COLL_BASE=0 / ENGINE_BASE=0: this build only.
 # At most 8 files come back from a device call: the A/B folders are packed into $OUT/ab.tar.gz.
 export PYTHONPATH=/tmp/site CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; STEPS=${STEPS:-"tune coll engine graph eager"}
@@ -50,4 +52,7 @@ fi
 if has graph; then T0=$(date +%s); timeout ${GT:-200} bash tools/gpu-graph-ab.sh; t "graph A/B" $?; fi
 if has eager; then T0=$(date +%s); PROF=${PROF:-3000} timeout ${ET:-150} bash tools/gpu-eager-ab.sh run > "$OUT/eager-ab.log" 2>&1
   t "eager A/B" $?; tail -30 "$OUT/eager-ab.log" | cut -c1-250; fi
+if has parts; then T0=$(date +%s)
+  timeout ${PT16:-150} python3 -P tests/gpu/bench_staged_parts.py --worlds 2,8 --json "$OUT/parts.json" > "$OUT/parts.log" 2>&1
+  t "staged parts" $?; cut -c1-260 "$OUT/parts.log" | tail -30; fi
 ( cd "$OUT" && ls -d graph-ab eager-ab 2>/dev/null | xargs -r tar -czf ab.tar.gz && rm -rf graph-ab eager-ab )
