@@ -123,11 +123,12 @@ class Communicator:
         return self._path.info()
 
     def algorithm(self, collective: str | CollectiveSpec, nbytes: int | None) -> str:
-        """The algorithm (``packet``, ``oneshot`` or ``twoshot``) this communicator runs for a call of
-        ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes (for
-        all_gather_v and reduce_scatter_v: the group's largest push, the largest ``sizes`` entry in
-        bytes): what the call path chooses, from ``tuning`` and its table (:meth:`tuning_info`). Local;
-        cheap."""
+        """The algorithm (``packet``, ``hybrid``, ``oneshot`` or ``twoshot``) this communicator runs for a
+        call of ``collective`` (a catalog name or a spec) whose input on this rank is ``nbytes`` bytes
+        (for all_gather_v and reduce_scatter_v: the group's largest push, the largest ``sizes`` entry in
+        bytes; all_to_all_v is ``hybrid`` on the CUDA engine whatever its sizes, each pair choosing
+        packets or the one-shot by its own size): what the call path chooses, from ``tuning`` and its
+        table (:meth:`tuning_info`). Local; cheap."""
         return self._path.algorithm(collective, nbytes)
 
     def tuning_info(self) -> TableInUse:

@@ -546,7 +546,8 @@ def test_v_forms_whose_sizes_every_rank_knows_take_packets_with_the_sizes_in_the
     """On an engine with packets, all_gather_v and reduce_scatter_v choose the packet protocol from the
     group's largest push (the same on every rank, whatever this rank's own rows), and their fingerprint
     carries every rank's sizes: ranks that disagree on ``sizes`` get different fingerprints (their
-    packets' signatures differ, so the device call check reports it). all_to_all_v stays staged."""
+    packets' signatures differ, so the device call check reports it). all_to_all_v runs hybrid (each pair
+    by its own size), whose fingerprint carries no sizes: its ranks' sizes differ legitimately."""
     from purlin_sglang.calls import CallPath
     from purlin_sglang.collectives import CATALOG
 
@@ -570,10 +571,12 @@ def test_v_forms_whose_sizes_every_rank_knows_take_packets_with_the_sizes_in_the
     big = (1 << 20) // 16  # rows of 16 bytes: a 1 MiB push, past the window on every rank alike
     assert [prep(p, agv, torch.zeros((big, 0)[p.rank], 4), None, (big, 0)).sched.plan.algorithm
             for p in paths] == ["oneshot", "oneshot"]
-    assert prep(paths[0], a2av, torch.zeros(2, 4), (1, 1), (1, 1)).sched.plan.algorithm == "oneshot"
+    a2 = [prep(p, a2av, torch.zeros((2, 9)[p.rank], 4), ((1, 1), (8, 1))[p.rank], ((1, 8), (1, 1))[p.rank])
+          for p in paths]
+    assert [c.sched.plan.algorithm for c in a2] == ["hybrid", "hybrid"] and a2[0].fingerprint == a2[1].fingerprint
     # the public question (Communicator.algorithm): a V form's nbytes is the group's largest push
     assert [paths[0].algorithm(n, 1024) for n in ("all_gather_v", "reduce_scatter_v", "all_to_all_v")] == [
-        "packet", "packet", "oneshot"]
+        "packet", "packet", "hybrid"]
     assert paths[0].algorithm("all_gather_v", 1 << 20) == "oneshot"
     staged = [CallPath(r, 2, cpu, cfg, packets=False) for r in range(2)]  # e.g. the CPU engine
     assert prep(staged[0], agv, torch.zeros(0, 4), None, sizes).sched.plan.algorithm == "oneshot"

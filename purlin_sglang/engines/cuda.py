@@ -157,36 +157,48 @@ class CudaEngine:
 
     # -- calls ---------------------------------------------------------------------------------
     def execute(self, sched: Schedule, ctx) -> None:
-        """Enqueue one rank's schedule on the current stream. Collective; does not block the host."""
+        """Enqueue one rank's schedule on the current stream (a hybrid schedule: its parts, one kernel
+        each, in order). Collective; does not block the host."""
         if self._err[0]:
             self._raise_recorded()
         if self.broken:
             raise PurlinBrokenError(f"{ctx.op}: the communicator is broken ({self.broken})")
-        e = self._by_id.get(id(sched))
-        if e is None or e[0] is not sched:
-            e = self._table(sched, ctx.op)
-        p = self._params
-        self._fill(p, e, ctx)
-        p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
-        code = self.lib.snac_execute(self._pref, self._launch_stream())
-        if code:
-            self._launch_failed(ctx.op, code)
+        for part in sched.parts or (sched,):
+            e = self._by_id.get(id(part))
+            if e is None or e[0] is not part:
+                e = self._table(part, ctx.op)
+            p = self._params
+            self._fill(p, e, ctx)
+            p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
+            code = self.lib.snac_execute(self._pref, self._launch_stream())
+            if code:
+                self._launch_failed(ctx.op, code)
 
     def bind(self, sched: Schedule, ctx) -> "_Launch":
         """The steady state of calls of ``ctx``'s shape (collective, sizes, dtype, fingerprint): a
-        parameter struct of their own with everything but the pointers and the call number filled in,
-        for :meth:`launch`. Call after :meth:`execute` ran such a call (its op table exists)."""
-        p = native.SnacParams.from_buffer_copy(self._params)
-        self._fill(p, self._table(sched, ctx.op), ctx)
-        return _Launch(p, ctx.op)
+        parameter struct of their own (one per part of a hybrid schedule) with everything but the
+        pointers and the call number filled in, for :meth:`launch`. Call after :meth:`execute` ran such
+        a call (its op tables exist)."""
+        structs = []
+        for part in sched.parts or (sched,):
+            p = native.SnacParams.from_buffer_copy(self._params)
+            self._fill(p, self._table(part, ctx.op), ctx)
+            structs.append(p)
+        return _Launch(structs, ctx.op)
 
     def launch(self, bound: "_Launch", x: torch.Tensor, y: torch.Tensor, seq: int) -> None:
         """One call of a bound shape, call number ``seq``: one native call (``snac_launch``) that writes the
-        pointers and the number into the bound struct and launches. The caller has checked the engine
-        usable (``engines.check_usable``) and ``x`` / ``y`` against the call's shape."""
-        code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, self._launch_stream())
+        pointers and the number into the bound struct and launches (one more per further part of a hybrid
+        schedule). The caller has checked the engine usable (``engines.check_usable``) and ``x`` / ``y``
+        against the call's shape."""
+        stream = self._launch_stream()
+        code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, stream)
         if code:
             self._launch_failed(bound.op, code)
+        for addr in bound.more:
+            code = self.lib.snac_launch(addr, x.data_ptr(), y.data_ptr(), seq, stream)
+            if code:
+                self._launch_failed(bound.op, code)
 
     def _fill(self, p: native.SnacParams, e: tuple, ctx) -> None:
         """The fields of one call's struct that its shape decides: table, dtype, call description."""
@@ -273,13 +285,16 @@ class CudaEngine:
 
 
 class _Launch:
-    """One call shape's launch, prepared by :meth:`CudaEngine.bind`: its own parameter struct (kept alive
-    here; ``addr`` is its address for the native call) and the collective's name for messages."""
+    """One call shape's launch, prepared by :meth:`CudaEngine.bind`: its own parameter structs (kept alive
+    here; ``addr`` is the first one's address for the native call, ``more`` the others', a hybrid
+    schedule's later parts) and the collective's name for messages."""
 
-    __slots__ = ("params", "addr", "op")
+    __slots__ = ("params", "addr", "more", "op")
 
-    def __init__(self, params: native.SnacParams, op: str):
-        self.params, self.addr, self.op = params, ctypes.addressof(params), op
+    def __init__(self, params: list, op: str):
+        self.params, self.op = tuple(params), op
+        self.addr = ctypes.addressof(params[0])
+        self.more = tuple(ctypes.addressof(p) for p in params[1:])
 
 
 def _has_reduce(sched: Schedule) -> bool:

@@ -13,12 +13,14 @@ only: ``notify[p][c][i]`` counts chunks ``p`` staged in item ``i`` for ``c``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 from ..collectives import ReduceOp
 from ..errors import PurlinPlanError
-from .plan import Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Notify, Plan, Push, Ref, Stage, Wait
+from .plan import (
+    Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Notify, Plan, Push, RankProgram, Ref, Stage, Wait,
+)
 from .planner import consumers, producers
 from .policy import ALIGN, PACKET_WINDOW_BYTES, max_items
 
@@ -119,6 +121,10 @@ class Schedule:
     send_bytes: tuple[int, ...]  # per peer: bytes of my staging that it reads
     recv_bytes: tuple[int, ...]  # per peer: bytes of its staging that I read
     staging_used: int  # high-water mark of my staging, bytes
+    # A hybrid plan's schedule: its packet part, then its staged part where this rank has one; ``ops``
+    # are theirs in that order. An engine runs the parts one after the other (the CUDA engine: the
+    # packet kernel, then the interpreter). Empty for every other plan.
+    parts: tuple["Schedule", ...] = ()
 
 
 def part_range(length: int, i: int, k: int) -> tuple[int, int]:
@@ -190,7 +196,7 @@ def _window_region(plan: Plan, r: "_Resolver", ref: Ref) -> tuple[int, int]:
     return off, n
 
 
-def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
+def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes, *, always: bool = False) -> Schedule:
     """The packet plan: one round, no chunks (each push fits one receive window). A window holds
     what its producer pushed me, as long as the region it lands in (the naming's sizes agree).
 
@@ -200,11 +206,12 @@ def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     for every unrooted collective with a packet form that holds on every rank alike
     (planner.largest_push), so no rank's epoch moves. A rooted form always runs its pushes and beats:
     a rank sees only its own side of the naming (the other side of a rooted layout may hold anything),
-    so "nothing moves" is not something every rank can tell alike."""
+    so "nothing moves" is not something every rank can tell alike. ``always``: neither does a hybrid
+    plan's packet part (each rank knows only its own splits)."""
     me, world = plan.rank, plan.world
     send, recv = [0] * world, [0] * world
     ops: list[Op] = []
-    if not plan.spec.rooted and not any(sizes.input) and not any(sizes.output):
+    if not always and not plan.spec.rooted and not any(sizes.input) and not any(sizes.output):
         return Schedule(plan, sizes, (), tuple(send), tuple(recv), 0)
     for s in plan.program.body:
         if isinstance(s, Push):
@@ -237,11 +244,58 @@ def _lower_packet(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     return Schedule(plan, sizes, tuple(ops), tuple(send), tuple(recv), 0)
 
 
+def _lower_hybrid(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
+    """A hybrid plan (planner.has_hybrid_form): each pair by the size of its region, which both of its
+    ends know (my input slice c is what I send c, my output slice p what p sends me). A region of at
+    most ``plan.pair_max_bytes`` travels in the packet part; a larger one through the staged part, a
+    one-shot of those pairs only, and its pair exchanges one empty packet in the packet part instead
+    (Beat / Hear) so that every packet call still pushes between every ordered pair. The packet part
+    runs on every rank in every call, even one that moves no byte (``always``); the staged part only
+    where this rank has a pair that goes staged. My own slice is copied in the packet part, or in the
+    staged part when it is larger than ``pair_max_bytes`` (the staged copy atom; no peer waits for it)."""
+    me, limit = plan.rank, plan.pair_max_bytes
+    big_send = {c for c, n in enumerate(sizes.input) if c != me and n > limit}
+    big_recv = {p for p, n in enumerate(sizes.output) if p != me and n > limit}
+    big_own = sizes.output[me] > limit  # == sizes.input[me]: the call path checks it (calls.py _sizes)
+    body = []
+    for s in plan.program.body:
+        if isinstance(s, Push) and s.peer in big_send:
+            body.append(Beat(s.peer))
+        elif isinstance(s, ConsumeStep) and s.dst.index in big_recv:
+            body.append(Hear(s.dst.index))
+        elif not (isinstance(s, ConsumeStep) and s.dst.index == me and big_own):
+            body.append(s)
+    packet_plan = replace(plan, algorithm="packet", program=replace(plan.program, body=tuple(body)),
+                          pair_max_bytes=0, staged=None)
+    parts = [_lower_packet(packet_plan, r, sizes, always=True)]
+    st = plan.staged
+    items = tuple(it for it in st.program.items if set(it.readers) <= big_send)
+    kept = {it.index for it in items}
+
+    def staged_pair(s) -> bool:
+        if isinstance(s, (Drain, Stage, Notify)):
+            return s.item in kept
+        if isinstance(s, (Wait, Ack)):
+            return s.peer in big_recv
+        return s.dst.index in big_recv or (s.dst.index == me and big_own)  # a consume: that producer's slice
+
+    steps = tuple(s for s in st.program.body if staged_pair(s))
+    if steps:
+        program = RankProgram(me, items, (DrainAll(),) if items else (), steps)
+        parts.append(lower(replace(st, program=program), sizes))
+    send = tuple(map(sum, zip(*(p.send_bytes for p in parts))))
+    recv = tuple(map(sum, zip(*(p.recv_bytes for p in parts))))
+    ops = tuple(op for p in parts for op in p.ops)
+    return Schedule(plan, sizes, ops, send, recv, parts[-1].staging_used, tuple(parts))
+
+
 def lower(plan: Plan, sizes: Sizes) -> Schedule:
     """Resolve ``plan`` with this rank's ``sizes`` into a flat, ordered list of ops."""
     r = _Resolver(plan, sizes)
     if plan.algorithm == "packet":
         return _lower_packet(plan, r, sizes)
+    if plan.algorithm == "hybrid":
+        return _lower_hybrid(plan, r, sizes)
     me, chunk, slots = plan.rank, plan.chunk_bytes, plan.slots
     world = plan.world
     send = [0] * world

@@ -180,12 +180,16 @@ class Plan:
     world: int
     rank: int
     root: int | None
-    algorithm: str  # "oneshot" | "twoshot" | "packet"
+    algorithm: str  # "oneshot" | "twoshot" | "packet" | "hybrid"
     chunk_bytes: int
     slots: int
     n_items: int  # staging items per rank (the same on every rank)
     program: RankProgram
     notes: tuple[str, ...] = field(default=())
+    # "hybrid" only (planner.has_hybrid_form): ``program`` is the packet program; a pair whose region
+    # is at most ``pair_max_bytes`` travels in it, a larger one through ``staged`` (a one-shot plan)
+    pair_max_bytes: int = 0
+    staged: "Plan | None" = None
 
     @property
     def key(self) -> tuple:
@@ -193,7 +197,7 @@ class Plan:
         return (
             self.spec.name, self.spec.input.name, self.spec.output.name, self.spec.consume.name,
             self.world, self.root, self.algorithm, self.chunk_bytes, self.slots, self.n_items,
-        )
+        ) + ((self.pair_max_bytes,) if self.algorithm == "hybrid" else ())
 
     def describe(self) -> str:
         """A readable listing of the plan (deterministic: the same plan prints the same text)."""
@@ -207,6 +211,9 @@ class Plan:
         lines += [f"  {it}" for it in p.items]
         lines += [f"  prologue: {s}" for s in p.prologue]
         lines += [f"  per chunk: {s}" for s in p.body]
+        if self.staged is not None:
+            lines.append(f"  pairs of more than {self.pair_max_bytes} bytes, staged:")
+            lines += ["  " + line for line in self.staged.describe().splitlines()]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -12,6 +12,9 @@ copies or reduces them into its output. Two shapes of program come out:
   flag-in-data packets; consumers copy or reduce straight from their windows; a pair of ranks the
   naming leaves silent (rooted forms) exchanges one empty packet. No staging, no signals, no acks:
   one step, twice the bytes.
+* ``hybrid`` (all_to_all_v and namings like it, engines with the packet protocol): per ordered
+  pair, a region of at most ``pair_max_bytes`` travels as packets, a larger one through a
+  one-shot of those pairs only; both ends of a pair know its size, so they agree (below).
 * ``twoshot`` (partitioned; reductions into a packed output that every rank
   receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
   reduces part ``q`` from everyone into a staging item, then every rank copies
@@ -59,10 +62,23 @@ def has_packet_form(spec: CollectiveSpec) -> bool:
       all_gather_v's and reduce_scatter_v's ``sizes``): yes; they choose from the largest push, which
       each rank can compute. A rank's empty slice still travels as one empty packet (snac/packet.cuh:
       packet_count).
-    * Other V forms never: sliced on both sides (all_to_all_v), a rank knows only its own splits; a
-      rooted V form's sizes are known to its root only.
+    * Other V forms never: sliced on both sides (all_to_all_v), a rank knows only its own splits (they
+      take :func:`has_hybrid_form` instead); a rooted V form's sizes are known to its root only.
     """
     return not spec.variable or not (spec.rooted or (spec.input.sliced and spec.output.sliced))
+
+
+def has_hybrid_form(spec: CollectiveSpec) -> bool:
+    """Whether ``spec`` may run ``hybrid``: V forms sliced on both sides, no root (all_to_all_v).
+
+    Rank p knows what it sends each consumer (its input slice c) and rank c what it receives from each
+    producer (its output slice p); for one pair the two are the same number (torch.distributed asks
+    it), so the two ends choose alike, pair by pair, with no size exchange: packets up to
+    ``pair_max_bytes``, else the one-shot. A pair that goes staged still exchanges one empty packet
+    (:class:`Beat` / :class:`Hear`), so every packet call pushes between every ordered pair (the
+    window-reuse rule of :func:`has_packet_form`) and every rank runs the packet part of every call:
+    the ranks' epochs stay in step. A rank none of whose pairs goes staged runs no staged part."""
+    return spec.variable and spec.input.sliced and spec.output.sliced and not spec.rooted
 
 
 def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> int:
@@ -84,7 +100,8 @@ def largest_push(sizes) -> int:
 
 def algorithms_of(spec: CollectiveSpec, *, packets: bool) -> tuple[str, ...]:
     """The algorithms ``spec`` has on an engine with (``packets``) or without the packet protocol."""
-    return (("packet",) if packets and has_packet_form(spec) else ()) + ("oneshot",) + (
+    return (("packet",) if packets and has_packet_form(spec) else ()) + (
+        ("hybrid",) if packets and has_hybrid_form(spec) else ()) + ("oneshot",) + (
         ("twoshot",) if _reduces_to_all(spec) else ())
 
 
@@ -105,8 +122,10 @@ def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPol
     ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
     result bitwise). Collectives with a packet form (:func:`has_packet_form`) take ``packet`` when
     forced, or under ``auto`` when the largest push fits ``packet_max_bytes`` (and the window).
-    Beyond that, only reductions of a packed payload into a packed output on every rank have a
-    choice (``oneshot`` / ``twoshot``); everything else is ``oneshot``.
+    Collectives with a hybrid form (:func:`has_hybrid_form`) take ``hybrid`` under ``auto`` and
+    ``packet`` (``pair_max_bytes``: :func:`hybrid_pair_max`). Beyond that, only reductions of a
+    packed payload into a packed output on every rank have a choice (``oneshot`` / ``twoshot``);
+    everything else is ``oneshot``.
 
     ``bands``: this collective's measured bands from a tuning table (snac/table.py), used under
     ``auto`` for a known ``nbytes`` in place of the thresholds above, where the band's algorithm can
@@ -131,6 +150,8 @@ def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPol
             return "packet"
         if fits and push <= policy.packet_max_bytes:
             return "packet"
+    if packets and algorithm in ("auto", "packet") and has_hybrid_form(spec):
+        return "hybrid"
     if not _reduces_to_all(spec) or algorithm in ("oneshot", "packet"):
         return "oneshot"
     if algorithm == "twoshot" or nbytes is None:  # size resolved later (e.g. on device): bounded traffic
@@ -151,7 +172,7 @@ def make_plan(
 ) -> Plan:
     """Derive the plan of ``spec`` for ``rank`` of ``world``.
 
-    ``algorithm``: the regime the caller chose with :func:`choose_algorithm` (``packet``,
+    ``algorithm``: the regime the caller chose with :func:`choose_algorithm` (``packet``, ``hybrid``,
     ``oneshot`` or ``twoshot``; the Communicator decides once per call shape and passes it
     here). None: choose it here from ``nbytes`` (the per-rank payload, if known on the host)
     and ``policy``, as for an engine with packets exactly when ``policy.algorithm`` forces them.
@@ -178,6 +199,15 @@ def make_plan(
         notes = (f"flag-in-data packets pushed into each consumer's window; at most {PACKET_WINDOW_BYTES} "
                  "payload bytes per call",)
         return Plan(spec, world, rank, root, algorithm, PACKET_WINDOW_BYTES, 1, 0, program, notes)
+    if algorithm == "hybrid":
+        staged = make_plan(spec, world, rank, root=root, staging_bytes=staging_bytes, policy=policy,
+                           algorithm="oneshot")
+        pair_max = hybrid_pair_max(policy)
+        program = RankProgram(rank, (), (), tuple(_packet(spec, world, rank, root)))
+        notes = (f"per pair: at most {pair_max} bytes as flag-in-data packets, more through the one-shot below "
+                 "(that pair then exchanges one empty packet)",)
+        return Plan(spec, world, rank, root, algorithm, staged.chunk_bytes, staged.slots, staged.n_items, program,
+                    notes, pair_max_bytes=pair_max, staged=staged)
     if algorithm == "twoshot":
         items, body, notes = _twoshot(spec, world, rank)
         n_items = max_items(world)
@@ -202,11 +232,21 @@ def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
     if algorithm == "packet" and not has_packet_form(spec):
         raise PurlinPlanError(f"{spec.name}: has no packet form (V forms sliced on both sides, and rooted V forms, "
                               "stay staged)")
+    if algorithm == "hybrid" and not has_hybrid_form(spec):
+        raise PurlinPlanError(f"{spec.name}: has no hybrid form (only V forms sliced on both sides, with no root)")
     if algorithm == "twoshot" and not _reduces_to_all(spec):
         raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
                               "packed output on every rank)")
-    if algorithm not in ("packet", "oneshot", "twoshot"):
-        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'oneshot' or 'twoshot', got {algorithm!r}")
+    if algorithm not in ("packet", "hybrid", "oneshot", "twoshot"):
+        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'hybrid', 'oneshot' or 'twoshot', "
+                              f"got {algorithm!r}")
+
+
+def hybrid_pair_max(policy: TuningPolicy) -> int:
+    """The largest region one pair moves as packets in a ``hybrid`` call: ``tuning.packet_max_bytes``
+    (a push of a fixed form takes packets up to the same size), a whole receive window when
+    ``tuning.algorithm`` forces packets. The same on every rank of a group (one config)."""
+    return PACKET_WINDOW_BYTES if policy.algorithm == "packet" else policy.packet_max_bytes
 
 
 def _reduces_to_all(spec: CollectiveSpec) -> bool:

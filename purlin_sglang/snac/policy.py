@@ -33,7 +33,10 @@ class TuningPolicy(BaseModel):
       the collective has it (``packet`` only up to 256 KiB per push, the size of a receive
       window; larger calls are refused), else ``oneshot``. ``auto`` also takes packets for V forms
       whose sizes every rank passes whole (all_gather_v, reduce_scatter_v), from the group's largest
-      push; never for all_to_all_v (each rank knows only its own splits) or rooted collectives.
+      push; never for rooted V forms. all_to_all_v (each rank knows only its own splits) runs
+      ``hybrid`` under ``auto`` and ``packet`` on such engines: each pair of at most
+      ``packet_max_bytes`` (a whole window when packets are forced) as packets, a larger one
+      through a one-shot of those pairs (planner.has_hybrid_form).
     * ``table``: path of a tuning table (JSON, written by ``purlin-sglang tune``; snac/table.py).
       Under ``auto``, where the table applies (this GPU model or ``cpu``, the communicator's
       placement, the world size, the collective), its measured band for the call's size replaces

@@ -276,6 +276,26 @@ def rooted_packet_cases(seed: int, world: int) -> list[dict]:
     return out
 
 
+def hybrid_cases(seed: int) -> list[dict]:
+    """all_to_all_v as hybrid calls, for ``tuning.packet_max_bytes`` = 200: pairs of 0, 96, 192 (packets)
+    and 288 bytes (staged) in one call (float32 rows of 8: 32 bytes; ``v_matrix`` counts 0-3 times
+    ``vrows`` 3), calls whose pairs are all small (``vrows`` 1) or all large (``vrows`` 40: 5120 bytes
+    and up, past a 16 KiB staging chunk), one that moves nothing on any rank (``vrows`` 0), bf16 and
+    int8 rows, with a packet all_reduce and a staged all_gather in between."""
+    out = []
+    for i in range(2):
+        s = seed + 10 * i
+        out += [case("all_to_all_v", torch.float32, width=8, seed=s, salt=i, vrows=3),
+                case("all_to_all_v", torch.bfloat16, width=9, seed=s + 1, salt=i + 1, vrows=1),
+                case("all_reduce", torch.float32, rows=2, width=5, seed=s + 2),
+                case("all_to_all_v", torch.float32, width=32, seed=s + 3, salt=i + 2, vrows=40),
+                case("all_to_all_v", torch.int8, width=40, seed=s + 4, salt=i, vrows=2),
+                case("all_gather", torch.float32, rows=64, width=64, seed=s + 5),
+                case("all_to_all_v", torch.float32, width=3, seed=s + 6, salt=i, vrows=0),
+                case("all_to_all_v", torch.float32, width=8, seed=s + 7, salt=i + 3, vrows=3)]
+    return out
+
+
 def v_packet_cases(seed: int) -> list[dict]:
     """all_gather_v and reduce_scatter_v as packet calls: empty slices among the sizes, calls empty on
     every rank (``vrows=0``), a largest push of 252 KiB (a window holds 256 KiB: packets only with

@@ -87,4 +87,5 @@ def test_the_variants_take_out_what_they_name(world):
     assert sum(isinstance(op, PacketPut) for s in packet for op in s.ops) == world * (world - 1)
     assert sum(isinstance(op, PacketReduce) for s in packet for op in s.ops) == world
     assert all(not s.ops and s.plan.algorithm == "packet" for s in _all("packet kernel, no op", world))
-    assert not any(isinstance(op, (Copy, Reduce)) for s in _all("sync only (no copy, no reduce)", world) for op in s.ops)
+    assert not any(isinstance(op, (Copy, Reduce))
+                   for s in _all("sync only (no copy, no reduce)", world) for op in s.ops)

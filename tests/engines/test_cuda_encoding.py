@@ -18,7 +18,7 @@ import torch
 import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
 from purlin_sglang.testing.collectives import (
-    COLLECTIVES, PACKET_FORMS, case, check_case, packet_cases, rooted_packet_cases, v_packet_cases,
+    COLLECTIVES, PACKET_FORMS, case, check_case, hybrid_cases, packet_cases, rooted_packet_cases, v_packet_cases,
 )
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang import native
@@ -31,6 +31,7 @@ _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
 _SHARED: dict = {}
 _LOCK = threading.Lock()
 _RAN: list = []  # (collective, algorithm) of every schedule the model ran
+_PARTS: list = []  # the number of kernels of every hybrid call the model ran (1: packet part only)
 
 
 class _Sim:
@@ -183,6 +184,12 @@ class _Sim:
 
     def execute(self, sched, ctx):
         _RAN.append((sched.plan.spec.name, sched.plan.algorithm))
+        if sched.parts:
+            _PARTS.append(len(sched.parts))
+        for part in sched.parts or (sched,):  # a hybrid schedule: one kernel per part, in order
+            self._kernel(part, ctx)
+
+    def _kernel(self, sched, ctx):
         enc = co.encode(sched, self.dl)
         me, W, dl = self.rank, self.words, self.dl
         mine = W[me]
@@ -268,7 +275,7 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
     """The encoded packet tables (PACKET_PUT / PACKET_COPY / PACKET_REDUCE) of every collective with a
     packet form (all_gather_v and reduce_scatter_v with empty slices among them), bitwise the torch
     reference, out= and in place, interleaved with staged calls; the rooted ones (broadcast in place
-    included) take packets too, and all_to_all_v runs staged."""
+    included) take packets too, and all_to_all_v runs hybrid (its pairs of at most a window: packets)."""
     # auto: a full window takes packets too (packet_max_bytes raised to the window), payloads past it stage
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20,
            "tuning": {"algorithm": algorithm, "packet_max_bytes": PACKET_MAX_BYTES}}
@@ -282,7 +289,7 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
     ran = {}
     for name, alg in _RAN:
         ran.setdefault(name, set()).add(alg)
-    want = {coll: {"packet"} if coll in PACKET_FORMS else {"oneshot"} for coll in COLLECTIVES}
+    want = {coll: {"packet"} if coll in PACKET_FORMS else {"hybrid"} for coll in COLLECTIVES}
     if algorithm == "auto":
         want["all_reduce"].add("twoshot")
         want["all_gather"].add("oneshot")
@@ -323,7 +330,28 @@ def test_v_packet_tables_with_empty_slices(sim, world, raised):
     for name, alg in _RAN:
         ran.setdefault(name, set()).add(alg)
     v = {"packet"} if raised else {"packet", "oneshot"}
-    assert ran == {"all_gather_v": v, "reduce_scatter_v": v, "all_reduce": {"packet"}, "all_to_all_v": {"oneshot"}}
+    assert ran == {"all_gather_v": v, "reduce_scatter_v": v, "all_reduce": {"packet"}, "all_to_all_v": {"hybrid"}}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_hybrid_all_to_all_v_tables(sim, world):
+    """all_to_all_v under auto runs hybrid: each pair of at most packet_max_bytes (200 here) as packets,
+    each larger one through a one-shot of those pairs (its pair exchanging one empty packet); pairs on
+    both sides of the limit in one call, calls all small (the packet kernel alone on every rank), all
+    large, empty on every rank, between a packet all_reduce and a staged all_gather: bitwise the torch
+    reference, through out= and a new output."""
+    cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": {"packet_max_bytes": 200}}
+    cases = hybrid_cases(SEED + world)
+    _RAN.clear()
+    _PARTS.clear()
+    try:
+        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "default")) for c in cases],
+                       config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    assert {alg for name, alg in _RAN if name == "all_to_all_v"} == {"hybrid"}
+    assert {alg for name, alg in _RAN if name != "all_to_all_v"} == {"packet", "oneshot"}
+    assert set(_PARTS) == {1, 2}, _PARTS  # calls with and without a staged part on some rank
 
 
 def test_packet_epochs_alternate_windows_over_many_calls(sim):

@@ -2,8 +2,9 @@
 (all_reduce, all_gather, reduce_scatter, all_to_all, and the rooted ones: broadcast, in place
 included, gather, reduce, scatter) runs PACKET_PUT / PACKET_COPY / PACKET_REDUCE tables, bitwise the
 CPU engine (which runs oneshot for the same calls), at edge sizes, every copy dtype, every reduce op,
-in place, and in one sequence with staged calls. all_to_all_v has no packet form and runs staged in
-the same sequences; all_gather_v and reduce_scatter_v take packets, empty slices among them.
+in place, and in one sequence with staged calls. all_to_all_v has no packet form: it runs hybrid in
+the same sequences (each pair by its size: packets, or a one-shot of the large pairs); all_gather_v
+and reduce_scatter_v take packets, empty slices among them.
 Short on purpose (device time is scarce): a handful of check() calls, each one sequence of calls."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from _engine_check import CFG, SEED, check  # noqa: E402
 from purlin_sglang.testing.collectives import (  # noqa: E402
-    COPY_DTYPES, OPS, case, packet_cases, rooted_packet_cases, user_spec, v_packet_cases,
+    COPY_DTYPES, OPS, case, hybrid_cases, packet_cases, rooted_packet_cases, user_spec, v_packet_cases,
 )
 import purlin_sglang as ps  # noqa: E402
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES  # noqa: E402
@@ -68,6 +69,19 @@ def test_rooted_forms_take_packets_back_to_back_with_the_root_moving(world):
 def test_v_forms_take_packets_with_empty_slices(world, raised):
     """all_gather_v and reduce_scatter_v under auto: empty slices (one empty packet each way), calls
     empty on every rank, a 252 KiB push (packets with packet_max_bytes raised to the window, else
-    staged), a fixed packet all_reduce and a staged all_to_all_v in between; bitwise the CPU engine."""
+    staged), a fixed packet all_reduce and a hybrid all_to_all_v in between; bitwise the CPU engine."""
     cfg = {**CFG, "tuning": {"packet_max_bytes": PACKET_WINDOW_BYTES}} if raised else CFG
     check(world, v_packet_cases(SEED + world), config=cfg, inplace=False)
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_all_to_all_v_runs_hybrid_with_pairs_on_both_sides_of_the_limit(world):
+    """all_to_all_v under auto, packet_max_bytes 200: in one call pairs of at most 200 bytes go as packets
+    (the packet kernel), larger ones through a one-shot of those pairs (the interpreter, after it on the
+    same stream), each such pair exchanging one empty packet; calls all small (no staged kernel on any
+    rank), all large, empty on every rank, a packet all_reduce and a staged all_gather in between;
+    bitwise the CPU engine. Written in the ninth session without a GPU: not yet run."""
+    cfg = {**CFG, "tuning": {"packet_max_bytes": 200}}
+    algs = ps.run_virtual(world, lambda comm: comm.algorithm("all_to_all_v", 64), device="cuda", config=cfg)
+    assert algs == ["hybrid"] * world
+    check(world, hybrid_cases(SEED + 400 + world), config=cfg, inplace=False)

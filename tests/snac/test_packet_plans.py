@@ -2,8 +2,9 @@
 derived from the naming (pushes into receive windows, one copy per producer or one reduce in rank
 order, one empty packet each way between the ranks a rooted naming leaves silent), its lowering at
 edge sizes (0 bytes, 1 byte, odd counts, a full receive window), the V forms whose sizes every rank
-knows (empty slices still push one packet), the regime choice, and the window-reuse rule that the
-empty packets keep for rooted collectives."""
+knows (empty slices still push one packet), the regime choice, the window-reuse rule that the
+empty packets keep for rooted collectives, and the hybrid plans of all_to_all_v (each pair by its
+size: packets or a one-shot of the large pairs)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import simulator as S
 from purlin_sglang.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, CATALOG, REDUCE_SCATTER
 from purlin_sglang.errors import PurlinPlanError
 from purlin_sglang.snac import (
-    Beat, Buf, ConsumeStep, Hear, PacketCopy, PacketPut, PacketReduce, Plan, Push, RankProgram, TuningPolicy,
-    choose_algorithm, has_packet_form, lower, make_plan,
+    Beat, Buf, ConsumeStep, Copy, Hear, PacketCopy, PacketPut, PacketReduce, Plan, Push, RankProgram, Signal,
+    TuningPolicy, WaitDrainAll, WaitSignal, algorithms_of, choose_algorithm, has_hybrid_form, has_packet_form, lower,
+    make_plan,
 )
 from purlin_sglang.snac.planner import _packet, largest_push
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
@@ -149,14 +151,19 @@ def test_a_push_larger_than_a_window_is_refused(spec):
         _lowered(spec, 3, PACKET_WINDOW_BYTES + 1)
 
 
-def test_collectives_without_a_packet_form_run_oneshot_even_when_packets_are_forced():
+def test_collectives_without_a_packet_form_run_oneshot_or_hybrid_even_when_packets_are_forced():
+    """No packet form: rooted V forms run oneshot; all_to_all_v-like namings run hybrid where the engine
+    has packets (auto or forced packets), else oneshot."""
     for spec in ALL_SPECS:
         if has_packet_form(spec):
             continue
         root = 0 if spec.rooted else None
-        assert choose_algorithm(spec, 64, FORCED, packets=True, world=4) == "oneshot", spec
-        assert choose_algorithm(spec, 64, TuningPolicy(), packets=True, world=4) == "oneshot", spec
-        assert make_plan(spec, 4, 1, root=root, nbytes=64, staging_bytes=STAGING, policy=FORCED).algorithm == "oneshot"
+        want = "hybrid" if has_hybrid_form(spec) else "oneshot"
+        assert choose_algorithm(spec, 64, FORCED, packets=True, world=4) == want, spec
+        assert choose_algorithm(spec, 64, TuningPolicy(), packets=True, world=4) == want, spec
+        assert choose_algorithm(spec, 64, TuningPolicy(), packets=False, world=4) == "oneshot", spec
+        assert choose_algorithm(spec, 64, TuningPolicy(algorithm="oneshot"), packets=True, world=4) == "oneshot"
+        assert make_plan(spec, 4, 1, root=root, nbytes=64, staging_bytes=STAGING, policy=FORCED).algorithm == want
 
 
 V_PACKET_SPECS = [CATALOG["all_gather_v"], CATALOG["reduce_scatter_v"]]
@@ -206,12 +213,117 @@ def test_v_forms_choose_packets_from_the_groups_largest_push(spec):
                     policy=FORCED)
 
 
-def test_all_to_all_v_never_takes_packets():
+def test_all_to_all_v_takes_the_hybrid_plan_never_the_packet_plan():
     spec = CATALOG["all_to_all_v"]
-    assert choose_algorithm(spec, 8, FORCED, packets=True, world=4, push=8) == "oneshot"
-    assert choose_algorithm(spec, 8, TuningPolicy(), packets=True, world=4, push=8) == "oneshot"
+    assert has_hybrid_form(spec) and not has_packet_form(spec)
+    assert {n for n, s in CATALOG.items() if has_hybrid_form(s)} == {"all_to_all_v"}
+    assert all(has_hybrid_form(s) == (s.variable and s.input.sliced and s.output.sliced and not s.rooted)
+               for s in ALL_SPECS)
+    assert choose_algorithm(spec, 8, FORCED, packets=True, world=4, push=8) == "hybrid"
+    assert choose_algorithm(spec, 1 << 30, TuningPolicy(), packets=True, world=4, push=1 << 30) == "hybrid"
+    assert algorithms_of(spec, packets=True) == ("hybrid", "oneshot")
+    assert algorithms_of(spec, packets=False) == ("oneshot",)
     with pytest.raises(PurlinPlanError, match="has no packet form"):
         make_plan(spec, 4, 0, staging_bytes=STAGING, algorithm="packet")
+    with pytest.raises(PurlinPlanError, match="has no hybrid form"):
+        make_plan(ALL_TO_ALL, 4, 0, staging_bytes=STAGING, algorithm="hybrid")
+    plan = make_plan(spec, 4, 1, staging_bytes=STAGING, algorithm="hybrid")
+    assert plan.pair_max_bytes == TuningPolicy().packet_max_bytes and plan.staged.algorithm == "oneshot"
+    assert make_plan(spec, 4, 1, staging_bytes=STAGING, policy=FORCED).pair_max_bytes == PACKET_WINDOW_BYTES
+    assert plan.key[-1] == plan.pair_max_bytes  # ranks must agree on it
+    assert "staged:" in plan.describe()
+
+
+A2AV = CATALOG["all_to_all_v"]
+SMALL_PAIRS = TuningPolicy(packet_max_bytes=64)  # pairs of more than 64 bytes go staged
+
+
+def _a2av(world, m, policy=SMALL_PAIRS):
+    """Every rank's hybrid all_to_all_v schedule for the send matrix ``m[p][c]`` (bytes)."""
+    sizes = S.consistent_sizes(A2AV, world, None, m, [[0] * world] * world)
+    plans = [make_plan(A2AV, world, r, staging_bytes=4096, policy=policy, algorithm="hybrid") for r in range(world)]
+    return [lower(p, s) for p, s in zip(plans, sizes)], sizes
+
+
+def _a2av_matrix(world, rng, limit=64):
+    """Bytes p sends c: small, empty, just at the limit, just past it and large, own slices too."""
+    choice = [0, 8, limit, limit + 8, 200, 1000, 24]
+    return [[int(rng.choice(choice)) for _ in range(world)] for _ in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_hybrid_pairs_agree_on_both_ends(world):
+    """The two ends of every ordered pair make the same choice from their own sizes: a push of n bytes is
+    read as n bytes from that producer's window (n = 0: the pair goes staged, or is empty), a staged
+    pair is an item of the producer read by exactly that consumer, and every rank's packet part pushes
+    to and reads from every peer once (the window-reuse rule), its staged part only where it has a
+    large pair."""
+    rng = np.random.default_rng(world)
+    for _ in range(6):
+        m = _a2av_matrix(world, rng)
+        scheds, _ = _a2av(world, m)
+        for p, sp in enumerate(scheds):
+            assert sp.plan.algorithm == "hybrid" and sp.parts[0].plan.algorithm == "packet"
+            packet = sp.parts[0].ops
+            puts = {op.peer: op.src.nbytes for op in packet if isinstance(op, PacketPut)}
+            reads = {op.src.rank: op.dst.nbytes for op in packet if isinstance(op, PacketCopy)
+                     and op.src.buf is Buf.WINDOW}
+            assert sorted(puts) == sorted(reads) == [c for c in range(world) if c != p]
+            for c in puts:
+                small = m[p][c] <= SMALL_PAIRS.packet_max_bytes
+                assert puts[c] == (m[p][c] if small else 0)
+                creads = {op.src.rank: op.dst.nbytes for op in scheds[c].parts[0].ops
+                          if isinstance(op, PacketCopy) and op.src.buf is Buf.WINDOW}
+                assert creads[p] == puts[c], (p, c, m)
+                staged_p = sp.parts[1].ops if len(sp.parts) > 1 else ()
+                staged_c = scheds[c].parts[1].ops if len(scheds[c].parts) > 1 else ()
+                notifies = sum(isinstance(op, Signal) and op.kind == "notify" and op.peer == c for op in staged_p)
+                waits = sum(isinstance(op, WaitSignal) and op.kind == "notify" and op.peer == p for op in staged_c)
+                assert notifies == waits and (notifies > 0) == (not small), (p, c, m)
+            big = any(n > 64 for n in m[p]) or any(m[q][p] > 64 for q in range(world))
+            assert (len(sp.parts) == 2) == big, (p, m)
+            assert sp.ops == tuple(op for part in sp.parts for op in part.ops)
+            own = [op for part in sp.parts for op in part.ops
+                   if isinstance(op, (Copy, PacketCopy)) and op.src.buf is Buf.INPUT and op.dst.buf is Buf.OUTPUT]
+            assert sum(op.dst.nbytes for op in own) == m[p][p]  # my own slice, copied once
+            if len(sp.parts) > 1:
+                assert not any(isinstance(op, PacketPut) for op in sp.parts[1].ops)
+                assert all(isinstance(op, WaitDrainAll) for op in sp.parts[1].ops[:1]
+                           if any(isinstance(o, Signal) and o.kind == "notify" for o in sp.parts[1].ops))
+
+
+def test_hybrid_calls_that_move_nothing_still_run_their_packet_part():
+    """A rank whose splits are all zero cannot know that its peers' are too: its packet part pushes one
+    empty packet to every peer and reads one from each, so every rank's epoch moves alike."""
+    scheds, _ = _a2av(3, [[0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    for sc in scheds:
+        assert len(sc.parts) == 1
+        assert sum(isinstance(op, PacketPut) for op in sc.ops) == 2
+        assert sum(isinstance(op, PacketCopy) and op.src.buf is Buf.WINDOW for op in sc.ops) == 2
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("stick", [0.0, 0.9, 1.0])
+def test_back_to_back_hybrid_calls_never_overwrite_an_unread_window_or_slot(world, stick):
+    """Hybrid all_to_all_v calls with pairs on both sides of the limit, empty ones and calls that move
+    nothing, between fixed packet calls and staged calls: the simulator lets ranks run ahead and checks
+    every window read and overwrite, every staging slot, and every output."""
+    rng = np.random.default_rng(300 + world)
+    calls = []
+    for i in range(10):
+        if i % 4 == 3:
+            spec = (ALL_REDUCE, ALL_GATHER)[i % 2]
+            calls.append(_call(spec, world, 24, rng))
+            continue
+        m = [[0] * world for _ in range(world)] if i == 5 else _a2av_matrix(world, rng)
+        scheds, sizes = _a2av(world, m)
+        inputs = S.make_inputs(sizes, None, rng)
+        calls.append(S.CallSetup(scheds, inputs, S.reference_outputs(A2AV, world, None, sizes, inputs, None),
+                                 None, "all_to_all_v"))
+    assert any(len(sc.parts) == 2 for c in calls if c.name == "all_to_all_v" for sc in c.schedules)
+    assert any(len(sc.parts) == 1 for c in calls if c.name == "all_to_all_v" for sc in c.schedules)
+    for seed in range(3):
+        S.simulate(calls, world=world, staging_bytes=4096, seed=seed, stickiness=stick)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
