@@ -485,6 +485,32 @@ def test_a_call_shape_seen_before_launches_through_one_native_call(monkeypatch):
     assert len(eng.lib.launches) == 6
 
 
+def test_a_hybrid_call_launches_its_parts_in_order_and_binds_one_struct_per_part(monkeypatch):
+    """all_to_all_v on an engine with packets runs hybrid: its packet part, then, where this rank has a
+    pair past tuning.packet_max_bytes, its staged part; both through execute() on the first call of a
+    shape, both through the bound structs (one per part, same tables) after it, on one stream."""
+    fake_cuda_queries(monkeypatch, {"handle": 0x3000})
+    eng = cuda_engine_on_cpu(2, 0)
+    comm = comm_over(eng, world=2, rank=0)
+    comm._path.packets = True  # comm_over's call path was made for the CPU engine
+    big = (1 << 17) // 16  # rows of 16 bytes: a 128 KiB slice, past the 64 KiB pair limit
+    x, out = torch.randn(big + 1, 4), torch.empty(2, 4)
+    assert comm.all_to_all_v(x, [1, big], [1, 1], out=out) is out  # rank 0 sends rank 1 a large slice
+    assert comm.all_to_all_v(x, [1, big], [1, 1], out=out) is out
+    first, second = eng.lib.launches[:2], eng.lib.launches[2:4]
+    assert [(r["how"], r["packets"]) for r in first + second] == [
+        ("execute", 1), ("execute", 0), ("launch", 1), ("launch", 0)]
+    for a, b in zip(first, second):
+        assert all(a[k] == b[k] for k in SHAPE_FIELDS) and a["n_ops"] > 0
+        assert (b["input"], b["output"], b["stream"]) == (x.data_ptr(), out.data_ptr(), 0x3000)
+    assert [r["desc_seq"] for r in second] == [2, 2] and first[0]["ops"] != first[1]["ops"]
+    small = torch.randn(3, 4)
+    comm.all_to_all_v(small, [1, 2], [1, 1])  # every pair small: the packet kernel alone
+    assert [(r["how"], r["packets"]) for r in eng.lib.launches[4:]] == [("execute", 1)]
+    assert comm.algorithm("all_to_all_v", 1 << 30) == "hybrid"
+    comm.close()
+
+
 def test_a_bound_call_raises_a_recorded_timeout_before_launching(monkeypatch):
     fake_cuda_queries(monkeypatch, {"handle": 0})
     eng = cuda_engine_on_cpu(2, 0)
