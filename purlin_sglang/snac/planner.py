@@ -3,7 +3,7 @@
 Nothing here knows a collective by name. The planner reads the spec's input and
 output layouts and consume op and answers, for one rank: which regions it stages
 into which items, who reads each item, which peers' items it waits for and how it
-copies or reduces them into its output. Two shapes of program come out:
+copies or reduces them into its output. These shapes of program come out:
 
 * ``oneshot`` (latency regime, and every copy collective): each consumer reads
   every producer's contribution directly, one step.
