@@ -27,6 +27,7 @@ from .engines.base import CallContext
 from .snac.table import TableInUse
 from .errors import PurlinError, PurlinPlanError, PurlinValueError
 from .memory import bootstrap, setup_phase
+from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
 from .moe.validate import check_combine, checked_dispatch
 from .virtual import VirtualWorld, run_world
@@ -56,7 +57,8 @@ class Communicator:
             self.device = torch.device("cuda", self.device.index if self.device.index is not None
                                        else torch.cuda.current_device())
         with setup_phase.bounded(self.config.timeouts.setup_s):  # every set-up wait ends within timeout_s
-            ws = bootstrap.group_workspace(self.memory, group, rank, world, self.config.staging_bytes,
+            ws = bootstrap.group_workspace(self.memory, group, rank, world,
+                                           region_bytes(self.config.staging_bytes, self.config.symmetric_bytes),
                                            shm_dir=self.config.shm_dir, device_index=self.device.index or 0)
             # Ranks of a group are processes (one GPU each, or time-sliced on one GPU): only this rank's
             # own grid must be co-resident. The engine is built locally; every rank learns whether every
@@ -87,6 +89,11 @@ class Communicator:
                               maxsize=self.CALL_CACHE_SIZE,
                               placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")
         self._seq = 0
+        region = ws.staging_region(rank) if hasattr(ws, "staging_region") else None
+        self._heap = SymmetricHeap(region, heap_start(self.config.staging_bytes), self.config.symmetric_bytes,
+                                   f"the {self.memory} provider cannot hand out heap tensors yet (virtual worlds and "
+                                   "the CPU engine can)")
+        self._path.heap = self._heap
         self._closed = False
         # Made now (CUDA: a pinned allocation, an occupancy query), not inside a call: in loopback, host
         # allocations while peers' kernels spin could stall. The MoE region itself comes later.
@@ -116,6 +123,18 @@ class Communicator:
     def moe_hbm_bytes(self) -> int:
         """Bytes of GPU memory this rank's MoE region holds (0 before the first CUDA MoE call)."""
         return self._moe.hbm_bytes if getattr(self, "_moe", None) is not None else 0
+
+    def symmetric_empty(self, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` in this rank's symmetric heap (config ``symmetric_bytes``;
+        not zeroed). Every rank must allocate the same sizes in the same order, so that a tensor lies at
+        the same heap offset on every rank. A collective whose input is such a tensor, at the same
+        offset on every rank, reads its peers' inputs in place (the ``direct`` plans: no staging copy),
+        where it would otherwise run the staged one-shot; an in-place call, or one whose output
+        overlaps its input, stays staged. Nothing is freed before :meth:`close`; the tensor must not be
+        used after it. Virtual worlds (CPU and CUDA loopback) and CPU process groups have a heap; CUDA
+        process groups not yet (PurlinUnavailableError). Local."""
+        self._check_usable("symmetric_empty")
+        return self._heap.empty(shape, dtype)
 
     def cache_info(self) -> CacheInfo:
         """This rank's call caches: hits and misses of the call cache, the entries held now and its bound

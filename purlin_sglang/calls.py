@@ -24,7 +24,7 @@ from .collectives import CATALOG, CollectiveSpec, ReduceOp
 from .config import PurlinConfig
 from .engines.base import REDUCE_DTYPES, SPLIT_ARGS, SPLIT_ARGS_RUN, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
-from .snac import Plan, Schedule, Sizes, choose_algorithm, lower, make_plan
+from .snac import Plan, Schedule, Sizes, choose_algorithm, has_packet_form, lower, make_plan
 from .snac.planner import largest_push
 from .snac.table import TableInUse, bands_for
 
@@ -167,6 +167,7 @@ class CallPath:
         self.calls: dict[tuple, Call] = {}  # insertion-ordered: the first entry is the oldest
         # measured bands (tuning.table), or None: the built-in thresholds
         self.table = table_in_use(config, device, world, placement)
+        self.heap: Any = None  # the communicator's SymmetricHeap (memory/heap.py), set once it exists
 
     def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None, push: int | None = None) -> str:
         """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
@@ -209,6 +210,10 @@ class CallPath:
             return None, None
         dtype = x.dtype
         key = (id(spec), op, root, dtype, x.shape, ins, outs)
+        heap = self.heap
+        if heap is not None and heap.hi:  # where x lies in the symmetric heap decides the plan (direct), and
+            at = _address(x)  # an in-place call of such an x stays staged: a key of its own
+            key += (heap.offset_of(at), isinstance(out, torch.Tensor) and out.data_ptr() == at)
         call = self.calls.get(key)
         if call is None or call.spec is not spec:
             self.misses += 1
@@ -267,11 +272,15 @@ class CallPath:
         nbytes = sum(sizes.input)
         named = spec if consume == spec.consume else spec.with_consume(consume)
         algorithm = self.algorithm(named, nbytes, largest_push(sizes) if spec.variable else None)
-        pkey = (spec, consume, root, algorithm)
+        input_at = self._direct_input(named, algorithm, x, out)
+        if input_at >= 0:  # where the staged one-shot / two-shot would run
+            algorithm = "direct" if algorithm == "oneshot" else "direct-twoshot"
+        pkey = (spec, consume, root, algorithm, input_at)
         plan = self.plans.get(pkey)
         if plan is None:
             plan = make_plan(named, self.world, self.rank, root=root, nbytes=nbytes,
-                             staging_bytes=self.config.staging_bytes, policy=self.config.tuning, algorithm=algorithm)
+                             staging_bytes=self.config.staging_bytes, policy=self.config.tuning, algorithm=algorithm,
+                             input_at=input_at)
             self.plans[pkey] = plan
         skey = (pkey, sizes)
         sched = self.schedules.get(skey)
@@ -281,7 +290,8 @@ class CallPath:
                 self.schedules.clear()
             self.schedules[skey] = sched
         fp = fingerprint(plan.key + (str(x.dtype), row_bytes, _agreed_sizes(spec, algorithm, sizes, nbytes)))
-        call = Call(spec, name, sched, fp, out_shape, not spec.input.sliced and not spec.output.sliced,
+        in_place = not spec.input.sliced and not spec.output.sliced and input_at < 0  # a direct plan: never
+        call = Call(spec, name, sched, fp, out_shape, in_place,
                     call_info(name, x.dtype, nbytes, plan), x.nbytes, x.element_size() * math.prod(out_shape),
                     out_shape == tuple(x.shape))
         if key is not None:
@@ -289,6 +299,22 @@ class CallPath:
                 del self.calls[next(iter(self.calls))]  # the oldest entry
             self.calls[key] = call
         return call, out
+
+    def _direct_input(self, spec: CollectiveSpec, algorithm: str, x: torch.Tensor, out: torch.Tensor) -> int:
+        """Where x lies in this rank's staging region when the call runs a direct plan (else -1): x wholly
+        in the symmetric heap, a collective whose sizes every rank knows (has_packet_form), a call that
+        would run the staged one-shot (``direct``) or two-shot (``direct-twoshot``), peers to read from,
+        and an output apart from x (readers still read my input while I write my output). Every rank
+        must pass its input at the same heap offset: the offset is part of the plan, so ranks that
+        differ get different fingerprints."""
+        heap = self.heap
+        if (heap is None or not heap.hi or algorithm not in ("oneshot", "twoshot") or self.world < 2
+                or not has_packet_form(spec)):
+            return -1
+        off = heap.offset_of(_address(x))
+        if off < 0 or off + x.nbytes > heap.nbytes or _overlaps(x, out):
+            return -1
+        return heap.start + off
 
     # -- checks -------------------------------------------------------------------------------
     def check_tensor(self, name: str, what: str, t: Any) -> None:
@@ -390,11 +416,12 @@ class CallPath:
 def _agreed_sizes(spec: CollectiveSpec, algorithm: str, sizes: Sizes, nbytes: int) -> Any:
     """The sizes every rank of a call passes alike, for its fingerprint: a fixed form's input bytes; a
     packet V form's sizes on its sliced side (every rank's ``sizes``: ranks that disagree on them then
-    get each other's packets refused and a mismatch error); None for a staged V form, whose waits
-    compare the byte counts of each pair instead."""
+    get each other's packets refused and a mismatch error), and so does a direct V form's (its readers
+    compute each peer's offsets from them); None for a staged V form, whose waits compare the byte
+    counts of each pair instead."""
     if not spec.variable:
         return nbytes
-    if algorithm == "packet":
+    if algorithm in ("packet", "direct", "direct-twoshot"):
         return sizes.output if spec.output.sliced else sizes.input
     return None
 
@@ -412,6 +439,15 @@ def _splits_key(splits: Any) -> Any:
         if type(v) is not int:
             return _NO_KEY
     return splits
+
+
+def _address(x: torch.Tensor) -> int:
+    """Where ``x`` starts in memory; for an empty view too (its ``data_ptr()`` is 0): a V form's rank
+    with no rows passes an empty view of its heap buffer, which must still be found in the heap."""
+    p = x.data_ptr()
+    if p == 0 and x.numel() == 0:
+        p = x.untyped_storage().data_ptr() + x.storage_offset() * x.element_size()
+    return p
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

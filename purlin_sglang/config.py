@@ -61,6 +61,11 @@ class PurlinConfig(BaseModel):
 
     * ``timeout_s`` (60): longest wait for a peer before ``PurlinTimeoutError``.
     * ``staging_bytes`` (64 MiB): staging buffer per rank; larger payloads cycle through it.
+    * ``symmetric_bytes`` (0): a symmetric heap per rank after the staging buffer
+      (``Communicator.symmetric_empty``): a collective whose input lies there, at the same offset on
+      every rank, reads its peers' inputs in place instead of staging them (the ``direct`` plans).
+      0: no heap. The workspace's staging region is then ``staging_bytes`` rounded up to 4 KiB plus
+      this, and set-up errors about ranks that disagree quote that sum.
     * ``memory`` (``auto``): symmetric memory provider: ``auto``, ``ipc``, ``nvshmem``,
       ``torch``, ``loopback`` or ``host``. ``auto`` is ``host`` on CPU.
     * ``shm_dir`` (``/dev/shm``): where the CPU engine's shared workspace file of a process
@@ -85,6 +90,7 @@ class PurlinConfig(BaseModel):
 
     timeout_s: float = Field(60.0, gt=0, le=86400)
     staging_bytes: int = Field(64 * MiB, ge=4096, le=1 << 40)
+    symmetric_bytes: int = Field(0, ge=0, le=1 << 40)
     memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
     shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True

@@ -32,6 +32,7 @@ from .config import PurlinConfig
 from .engines.base import mismatch_message
 from .errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError
 from .memory import HostWorkspace, WorkspaceLayout
+from .memory.heap import region_bytes
 
 
 class VirtualWorld:
@@ -48,11 +49,12 @@ class VirtualWorld:
             self.gate = LaunchGate(world, config.timeouts.call_s) if world > 1 else None
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
-            self.workspace = LoopbackWorld(world, config.staging_bytes, index)
+            self.workspace = LoopbackWorld(world, region_bytes(config.staging_bytes, config.symmetric_bytes), index)
             self.moe_regions = SharedRegions()  # the MoE region, made by the first MoE call
         else:
             self.device = torch.device("cpu")
-            self.workspace = HostWorkspace.private(WorkspaceLayout(world, config.staging_bytes))
+            self.workspace = HostWorkspace.private(
+                WorkspaceLayout(world, region_bytes(config.staging_bytes, config.symmetric_bytes)))
 
     def rank_workspace(self, rank: int):
         return self.workspace.view(rank) if self.device.type == "cuda" else self.workspace

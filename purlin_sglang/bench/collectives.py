@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {','.join(BASELINES)}, or auto (nccl,symm_mem,sglang on GPU; gloo on "
                         "CPU) or none")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--symmetric", action="store_true",
+                   help="purlin's inputs in its symmetric heap (config symmetric_bytes): collectives with a "
+                        "direct form read their peers' inputs in place where they would stage "
+                        "(rows: purlin-<engine>+heap)")
     p.add_argument("--timeout", type=float, default=60.0, help="timeout_s of each communicator")
     p.add_argument("--out", default=None, help="results directory (default ./bench-results/<timestamp>)")
 
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     opts = Options(dtype=dtype, iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
-                   rotate=args.rotate, l2_bytes=args.l2_bytes, seed=args.seed, timeout_s=args.timeout)
+                   rotate=args.rotate, l2_bytes=args.l2_bytes, seed=args.seed, timeout_s=args.timeout,
+                   symmetric=args.symmetric)
     env = environment(args.device)
     rows: list[dict] = []
     skipped: list[dict] = []
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                     sys.stderr.write(f"  purlin {mode} world {world} {name}: FAILED {msg}\n")
                     rows.extend(error_row("purlin", c, mode, args.dtype, msg) for c in cases)
                     continue
-                engine = per_rank[0][0]
+                engine = per_rank[0][0] + ("+heap" if args.symmetric else "")
                 for ci, case in enumerate(cases):
                     res = [pr[1][ci] for pr in per_rank]
                     samples = [max(t) for t in zip(*(x["samples"] for x in res))]

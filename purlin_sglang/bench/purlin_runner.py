@@ -35,6 +35,7 @@ class Options:
     seed: int
     timeout_s: float
     tuning: dict | None = None  # the communicators' tuning section (e.g. a forced algorithm: tune.py)
+    symmetric: bool = False  # inputs in the communicators' symmetric heap (the direct plans where they apply)
 
     def buffers(self, case: Case, sharing_l2: int) -> int:
         """Input buffers to rotate through: ``rotate`` when the inputs sharing one L2 exceed it."""
@@ -75,6 +76,8 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
             # on one device every rank's inputs share one L2
             nbuf = opts.buffers(case, world if dev.type == "cuda" else 1)
             xs = [fresh_input(case, opts.dtype, dev, input_seed(opts.seed, ci, r, j)) for j in range(nbuf)]
+            if opts.symmetric:  # the same allocations on every rank: the same heap offsets
+                xs = [comm.symmetric_empty(x.shape, x.dtype).copy_(x) for x in xs]
             out = torch.empty(case.out_numel, dtype=opts.dtype, device=dev)
             board[(ci, r)] = xs[0]
             sync(stream)
@@ -131,6 +134,10 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 
     try:
         config = {"timeout_s": opts.timeout_s, **({"tuning": opts.tuning} if opts.tuning else {})}
+        if opts.symmetric:  # every case's input buffers, each at a 256-byte boundary (nothing is freed)
+            config["symmetric_bytes"] = 256 + sum(
+                opts.buffers(c, world if device.type == "cuda" else 1) * -(-c.in_numel * c.elsize // 256) * 256
+                for c in cases)
         return run_virtual(world, guarded, device=device, config=config)
     except BaseException as e:
         if first and first[0] is not e:

@@ -103,6 +103,10 @@ class HostWorkspace:
             for r in range(layout.world)
         ]
 
+    def staging_region(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s staging region (memory/heap.py: the heap is its tail)."""
+        return self.staging[rank]
+
     def init_header(self) -> None:
         self.words[:4] = (MAGIC, VERSION, self.layout.world, self.layout.staging_bytes)
 

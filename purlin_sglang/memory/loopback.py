@@ -57,5 +57,10 @@ class LoopbackWorkspace:
     def hbm_bytes(self) -> int:
         return self.layout.rank_bytes
 
+    def staging_region(self, rank: int):
+        """Rank ``rank``'s staging region as a uint8 tensor (memory/heap.py: the heap is its tail)."""
+        at = rank * self.layout.rank_bytes + self.layout.staging_off
+        return self._shared._buf[at: at + self.layout.staging_bytes]
+
     def close(self) -> None:
         self._shared = None

@@ -289,6 +289,107 @@ def _lower_hybrid(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
     return Schedule(plan, sizes, ops, send, recv, parts[-1].staging_used, tuple(parts))
 
 
+def _lower_direct(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
+    """A direct plan: one round, no chunks, no staging. A peer's input region is read in place at
+    ``plan.input_at`` of the peer's staging region (a STAGE span: the symmetric heap is its tail), at
+    the offset this rank computes from its own sizes (direct plans exist only where every rank knows
+    every size: a fixed form's slices are equal, a V form's ``sizes`` are every rank's), as long as the
+    region it lands in. The Drain becomes one ack wait per reader (nothing I notified still unread)."""
+    me, world, spec = plan.rank, plan.world, plan.spec
+    send, recv = [0] * world, [0] * world
+    ops: list[Op] = []
+    readers: tuple[int, ...] = ()
+
+    def source(x: Ref, n: int, dst: Ref) -> Span:
+        if x.rank == me:
+            xo, xn = r.region(x)
+            if xn != n:
+                raise _size_mismatch(plan, x, xn, dst, n)
+            return Span(x.buf, me, xo, xn)
+        if x.index is None:
+            off = 0
+        else:
+            off = sum(sizes.input[: x.index]) if spec.variable else x.index * n
+        recv[x.rank] += n
+        return Span(Buf.STAGE, x.rank, plan.input_at + off, n)
+
+    for s in plan.program.body:
+        if isinstance(s, Notify):
+            readers = s.peers
+            ops += [Signal("notify", c, s.item) for c in s.peers]
+            for c in s.peers:
+                send[c] += r.length(Ref(Buf.INPUT, me, c if spec.input.sliced else None))
+        elif isinstance(s, Wait):
+            ops.append(WaitSignal("notify", s.peer, s.item))
+        elif isinstance(s, ConsumeStep):
+            off, n = r.region(s.dst)
+            srcs = tuple(source(x, n, s.dst) for x in s.srcs)
+            dst = Span(Buf.OUTPUT, me, off, n)
+            ops.append(Copy(dst, srcs[0]) if s.consume.is_copy else Reduce(s.consume.reduce, dst, srcs))
+        elif isinstance(s, Ack):
+            ops.append(Signal("ack", s.peer, s.item))
+        elif isinstance(s, Drain):
+            ops += [WaitSignal("ack", c, s.item, 0) for c in readers]
+        else:  # pragma: no cover - the planner emits nothing else for direct plans
+            raise PurlinPlanError(f"{spec.name}: internal: step {s} in a direct plan")
+    return Schedule(plan, sizes, tuple(ops), tuple(send), tuple(recv), 0)
+
+
+def _lower_direct_twoshot(plan: Plan, r: "_Resolver", sizes: Sizes) -> Schedule:
+    """The direct two-shot (planner._direct_twoshot), chunk by chunk as the staged two-shot: the
+    inputs-ready exchange (item 0), then per chunk k: drain my shard slot (k >= slots), reduce chunk k
+    of my part of every input (peers' read in place at ``plan.input_at``) into it, notify; then each
+    rank's chunk k of its shard: wait, copy into my output, ack. Then the inputs' acks (so that a later
+    drain-all finds every notify acknowledged). No wait for my readers' acks at the end: rank q reads
+    my input only to reduce its chunks, each before it notifies that chunk, and I return only after
+    copying every chunk of every shard, so q has read all it reads of my input. A previous call's
+    shard slots are drained first (WaitDrainAll), as every staged plan does."""
+    me, world, chunk, slots, at = plan.rank, plan.world, plan.chunk_bytes, plan.slots, plan.input_at
+    shard, red = world, plan.spec.consume.reduce
+    others = tuple(q for q in range(world) if q != me)
+    total = sum(sizes.input)  # == sum(sizes.output): _Resolver checked it
+    parts = [part_range(total, q, world) for q in range(world)]
+    trips = [_trips(hi - lo, chunk) for lo, hi in parts]
+    send, recv = [0] * world, [0] * world
+    high = 0
+    ops: list[Op] = [WaitDrainAll(others, max_items(world))] if others else []
+    ops += [Signal("notify", c, 0) for c in others]
+    ops += [WaitSignal("notify", p, 0) for p in others]
+
+    def piece(q: int, k: int) -> tuple[int, int, int]:
+        """(offset in the payload, bytes, slot offset) of chunk k of part q."""
+        lo, hi = parts[q]
+        a = lo + k * chunk
+        return a, max(0, min(hi, a + chunk) - a), (k % slots) * chunk
+
+    for k in range(max(trips)):
+        if k < trips[me]:
+            a, n, slot = piece(me, k)
+            if k >= slots:
+                ops += [WaitSignal("ack", c, shard, slots - 1) for c in others]
+            srcs = tuple(Span(Buf.INPUT, me, a, n) if p == me else Span(Buf.STAGE, p, at + a, n) for p in range(world))
+            ops.append(Reduce(red, Span(Buf.STAGE, me, slot, n), srcs))
+            high = max(high, slot + n)
+            ops += [Signal("notify", c, shard) for c in others]
+            for p in others:
+                recv[p] += n
+                send[p] += n
+        for q in range(world):
+            if k >= trips[q]:
+                continue
+            a, n, slot = piece(q, k)
+            if q == me:
+                ops.append(Copy(Span(Buf.OUTPUT, me, a, n), Span(Buf.STAGE, me, slot, n)))
+                continue
+            ops += [WaitSignal("notify", q, shard), Copy(Span(Buf.OUTPUT, me, a, n), Span(Buf.STAGE, q, slot, n)),
+                    Signal("ack", q, shard)]
+            recv[q] += n
+    for c in others:  # c reads its part of my input in place
+        send[c] += parts[c][1] - parts[c][0]
+    ops += [Signal("ack", p, 0) for p in others]
+    return Schedule(plan, sizes, tuple(ops), tuple(send), tuple(recv), high)
+
+
 def lower(plan: Plan, sizes: Sizes) -> Schedule:
     """Resolve ``plan`` with this rank's ``sizes`` into a flat, ordered list of ops."""
     r = _Resolver(plan, sizes)
@@ -296,6 +397,10 @@ def lower(plan: Plan, sizes: Sizes) -> Schedule:
         return _lower_packet(plan, r, sizes)
     if plan.algorithm == "hybrid":
         return _lower_hybrid(plan, r, sizes)
+    if plan.algorithm == "direct":
+        return _lower_direct(plan, r, sizes)
+    if plan.algorithm == "direct-twoshot":
+        return _lower_direct_twoshot(plan, r, sizes)
     me, chunk, slots = plan.rank, plan.chunk_bytes, plan.slots
     world = plan.world
     send = [0] * world

@@ -172,6 +172,9 @@ class RankProgram:
     body: tuple[Step, ...]  # executed once per chunk
 
 
+DIRECT = ("direct", "direct-twoshot")  # the plans that read the peers' inputs in the symmetric heap
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything an engine needs to run one collective on one rank, minus the sizes."""
@@ -180,7 +183,7 @@ class Plan:
     world: int
     rank: int
     root: int | None
-    algorithm: str  # "oneshot" | "twoshot" | "packet" | "hybrid"
+    algorithm: str  # "oneshot" | "twoshot" | "packet" | "hybrid" | "direct" | "direct-twoshot"
     chunk_bytes: int
     slots: int
     n_items: int  # staging items per rank (the same on every rank)
@@ -190,6 +193,9 @@ class Plan:
     # is at most ``pair_max_bytes`` travels in it, a larger one through ``staged`` (a one-shot plan)
     pair_max_bytes: int = 0
     staged: "Plan | None" = None
+    # direct plans only: where every rank's input lies in its staging region (the symmetric heap,
+    # memory/heap.py), in bytes; consumers read their peers' inputs there in place
+    input_at: int = -1
 
     @property
     def key(self) -> tuple:
@@ -197,7 +203,8 @@ class Plan:
         return (
             self.spec.name, self.spec.input.name, self.spec.output.name, self.spec.consume.name,
             self.world, self.root, self.algorithm, self.chunk_bytes, self.slots, self.n_items,
-        ) + ((self.pair_max_bytes,) if self.algorithm == "hybrid" else ())
+        ) + ((self.pair_max_bytes,) if self.algorithm == "hybrid" else ()) + (
+            (self.input_at,) if self.algorithm in DIRECT else ())
 
     def describe(self) -> str:
         """A readable listing of the plan (deterministic: the same plan prints the same text)."""

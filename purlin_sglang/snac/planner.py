@@ -15,6 +15,13 @@ copies or reduces them into its output. These shapes of program come out:
 * ``hybrid`` (all_to_all_v and namings like it, engines with the packet protocol): per ordered
   pair, a region of at most ``pair_max_bytes`` travels as packets, a larger one through a
   one-shot of those pairs only; both ends of a pair know its size, so they agree (below).
+* ``direct`` (every collective with a packet form, when every rank's input lies in the symmetric
+  heap at the same offset: memory/heap.py): each producer tells its consumers that its input is
+  ready, each consumer copies or reduces the producers' inputs in place, acknowledges, and the
+  producer waits for the acknowledgements before its call ends (the caller may then overwrite the
+  input). No staging: one read of each input per consumer. Chosen by the call path where the
+  staged one-shot would run; ``direct-twoshot`` where the two-shot would (all_reduce): rank ``q``
+  reduces part ``q`` of every input in place into its staged shard, every rank copies every shard.
 * ``twoshot`` (partitioned; reductions into a packed output that every rank
   receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
   reduces part ``q`` from everyone into a staging item, then every rank copies
@@ -31,8 +38,8 @@ from __future__ import annotations
 from ..collectives import COPY, CollectiveSpec
 from ..errors import PurlinPlanError
 from .plan import (
-    Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Item, Notify, Plan, Push, RankProgram, Ref, Stage, Step,
-    Wait,
+    DIRECT, Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Item, Notify, Plan, Push, RankProgram, Ref, Stage,
+    Step, Wait,
 )
 from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy, max_items
 
@@ -169,6 +176,7 @@ def make_plan(
     staging_bytes: int,
     policy: TuningPolicy | None = None,
     algorithm: str | None = None,
+    input_at: int = -1,
 ) -> Plan:
     """Derive the plan of ``spec`` for ``rank`` of ``world``.
 
@@ -177,7 +185,8 @@ def make_plan(
     here). None: choose it here from ``nbytes`` (the per-rank payload, if known on the host)
     and ``policy``, as for an engine with packets exactly when ``policy.algorithm`` forces them.
     The plan's structure does not depend on ``nbytes``. Deterministic: the same arguments give
-    an equal plan.
+    an equal plan. ``input_at``: for ``direct``, where every rank's input lies in its staging region
+    (the symmetric heap), in bytes.
     """
     policy = policy or TuningPolicy()
     if world < 1:
@@ -199,6 +208,24 @@ def make_plan(
         notes = (f"flag-in-data packets pushed into each consumer's window; at most {PACKET_WINDOW_BYTES} "
                  "payload bytes per call",)
         return Plan(spec, world, rank, root, algorithm, PACKET_WINDOW_BYTES, 1, 0, program, notes)
+    if algorithm in DIRECT:
+        if input_at < 0:
+            raise PurlinPlanError(f"{spec.name}: a direct plan needs input_at, where every rank's input lies in "
+                                  "its symmetric heap")
+        notes = (f"every rank's input at byte {input_at} of its staging region (the symmetric heap), read in place",)
+        if algorithm == "direct":
+            program = RankProgram(rank, (), (), tuple(_direct(spec, world, rank, root)))
+            return Plan(spec, world, rank, root, algorithm, 0, 1, 1, program, notes, input_at=input_at)
+        items, body = _direct_twoshot(spec, world, rank)
+        chunk = min(policy.max_chunk_bytes, staging_bytes // policy.slots)
+        chunk -= chunk % ALIGN
+        if chunk < ALIGN:
+            raise PurlinPlanError(f"{spec.name}: staging_bytes={staging_bytes} is too small for {policy.slots} slots "
+                                  f"of at least {ALIGN} bytes; raise staging_bytes or lower tuning.slots")
+        program = RankProgram(rank, tuple(items), (DrainAll(),), tuple(body))
+        return Plan(spec, world, rank, root, algorithm, chunk, policy.slots, 1, program,
+                    notes + (f"output cut into {world} parts; part q reduced by rank q into its staged shard",),
+                    input_at=input_at)
     if algorithm == "hybrid":
         staged = make_plan(spec, world, rank, root=root, staging_bytes=staging_bytes, policy=policy,
                            algorithm="oneshot")
@@ -232,14 +259,20 @@ def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
     if algorithm == "packet" and not has_packet_form(spec):
         raise PurlinPlanError(f"{spec.name}: has no packet form (V forms sliced on both sides, and rooted V forms, "
                               "stay staged)")
+    if algorithm == "direct" and not has_packet_form(spec):
+        raise PurlinPlanError(f"{spec.name}: has no direct form (only collectives whose sizes every rank knows, "
+                              "as for packets)")
+    if algorithm == "direct-twoshot" and not _reduces_to_all(spec):
+        raise PurlinPlanError(f"{spec.name}: has no direct two-shot form (only reductions of a packed payload into "
+                              "a packed output on every rank)")
     if algorithm == "hybrid" and not has_hybrid_form(spec):
         raise PurlinPlanError(f"{spec.name}: has no hybrid form (only V forms sliced on both sides, with no root)")
     if algorithm == "twoshot" and not _reduces_to_all(spec):
         raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
                               "packed output on every rank)")
-    if algorithm not in ("packet", "hybrid", "oneshot", "twoshot"):
-        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'hybrid', 'oneshot' or 'twoshot', "
-                              f"got {algorithm!r}")
+    if algorithm not in ("packet", "hybrid", "oneshot", "twoshot") + DIRECT:
+        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'hybrid', 'oneshot', 'twoshot', 'direct' or "
+                              f"'direct-twoshot', got {algorithm!r}")
 
 
 def hybrid_pair_max(policy: TuningPolicy) -> int:
@@ -305,6 +338,51 @@ def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
         for p in remote:
             body.append(Ack(p, item_for_me, _landing(spec, me, p)))
     return items, body, ()
+
+
+def _direct(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:
+    """Tell my readers my input is ready (item 0: no staging is used), wait for my producers', copy or
+    reduce their inputs in place (what ``p`` sends me: its input slice ``me``, or its whole input),
+    acknowledge, then wait until every reader has acknowledged mine (``Drain``)."""
+    prods, cons = producers(spec, world, root), consumers(spec, world, root)
+    readers = tuple(c for c in cons if c != me) if me in prods else ()
+    body: list[Step] = [Notify(0, readers)] if readers else []
+    if me in cons:
+        remote = [p for p in prods if p != me]
+        body += [Wait(p, 0, _landing(spec, me, p)) for p in remote]
+        body += _consume(spec, me, prods, lambda p: _sent(spec, p, me))
+        body += [Ack(p, 0, _landing(spec, me, p)) for p in remote]
+    if readers:
+        body.append(Drain(0))
+    return body
+
+
+def _direct_twoshot(spec: CollectiveSpec, world: int, me: int):
+    """The two-shot with every input read in place: after the inputs-ready exchange (item 0), reduce
+    part ``me`` of every rank's input into my shard (staged, item ``world``: its chunks cycle through the
+    slots), then copy every rank's shard into my output; acknowledge the inputs (no wait for my readers:
+    they read my input before they notify their shards, all of which I copy). Lowered chunk by chunk as
+    the two-shot is (lower._lower_direct_twoshot); the steps print the plan."""
+    n, shard = world, world
+    others = tuple(q for q in range(n) if q != me)
+
+    def in_part(q: int, rank: int = me) -> Ref:
+        return Ref(Buf.INPUT, rank, None, (q, n))
+
+    def out_part(q: int) -> Ref:
+        return Ref(Buf.OUTPUT, me, None, (q, n))
+
+    items = [Item(shard, in_part(me), others)]
+    body: list[Step] = [Notify(0, others)] if others else []
+    body += [Wait(p, 0, in_part(me)) for p in others]
+    body += [Drain(shard),
+             ConsumeStep(spec.consume, Ref(Buf.STAGE, me, shard), tuple(in_part(me, p) for p in range(n)))]
+    if others:
+        body.append(Notify(shard, others))
+    body += [Wait(q, shard, out_part(q)) for q in others]
+    body += [ConsumeStep(COPY, out_part(q), (Ref(Buf.STAGE, q, shard),)) for q in range(n)]
+    body += [Ack(q, shard, out_part(q)) for q in others] + [Ack(p, 0, in_part(me)) for p in others]
+    return items, body
 
 
 def _packet(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:

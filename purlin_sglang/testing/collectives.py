@@ -312,3 +312,40 @@ def v_packet_cases(seed: int) -> list[dict]:
                 case("all_gather_v", torch.float32, width=1024, seed=s + 6, salt=i + 2, vrows=21),
                 case("reduce_scatter_v", torch.float16, width=2048, op="sum", seed=s + 7, salt=i, vrows=21)]
     return out
+
+
+def heap_cases(seed: int) -> list[dict]:
+    """Every collective with a packet form (so a direct form), twice: bf16 / float32 rows of 33 with
+    max and sum, and single rows of 7 (int16 for the copies); the roots alternate."""
+    out = []
+    for i, coll in enumerate(PACKET_FORMS):
+        red = coll in REDUCING
+        out.append(case(coll, torch.bfloat16 if red else torch.float32, rows=5, width=33,
+                        op="max" if red and i % 2 else None, seed=seed + i, root=i % 2, salt=i))
+        out.append(case(coll, torch.float32 if red else torch.int16, rows=1, width=7, seed=seed + 50 + i,
+                        root=(i + 1) % 2, salt=i + 1))
+    return out
+
+
+def check_case_in_heap(comm, c: dict) -> torch.Tensor:
+    """Run ``c`` with this rank's input in a new tensor of the communicator's symmetric heap
+    (``Communicator.symmetric_empty``) and check the result bitwise, out= path, input unchanged.
+
+    Every rank allocates alike, so the tensors lie at the same heap offset: a V form's rows differ
+    between ranks, so the largest is allocated and each rank passes a view of its own rows. Returns
+    rank r's output. Collective: every rank must call it with the same ``c``."""
+    world, r = comm.world_size, comm.rank
+    xs = case_inputs(c, world)
+    want, touched = case_expected(c, world, r, xs)
+    if xs[r].dim():
+        rows = max(t.shape[0] for t in xs)
+        x = comm.symmetric_empty((rows,) + tuple(xs[r].shape[1:]), xs[r].dtype)[: xs[r].shape[0]]
+    else:
+        x = comm.symmetric_empty((), xs[r].dtype)
+    x.copy_(xs[r])
+    out = poison_like(want)
+    assert case_call(comm, c, x, out) is out
+    what = f"rank {r} of {world}: {c['coll']} {c['dtype']} op={c['op']} (input in the symmetric heap)"
+    assert_bits_equal(out, want if touched else poison_like(want), what)
+    assert_bits_equal(x, xs[r], what + " (input must be left unchanged)")
+    return out

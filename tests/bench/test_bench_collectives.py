@@ -106,6 +106,20 @@ def test_tiny_cpu_run(tmp_path, capsys):
     assert "purlin eager world 2 all_reduce" in text.err  # progress goes to stderr
 
 
+def test_symmetric_inputs_run_the_direct_plans(tmp_path, capsys):
+    """``--symmetric``: purlin's inputs in its symmetric heap; the collectives with a direct form read
+    their peers' inputs in place (all_to_all_v has none and stays staged), every row correct."""
+    out = tmp_path / "res"
+    rc = cli.main(TINY + ["--symmetric", "--out", str(out)])
+    text = capsys.readouterr()
+    assert rc == 0, text.out
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 2 * len(CATALOG) and all(r["correct"] and r["engine"] == "cpu+heap" for r in rows)
+    algs = {r["collective"]: r["algorithm"] for r in rows}
+    assert algs == {n: "oneshot" if n == "all_to_all_v" else "direct" for n in CATALOG}, algs
+    assert "purlin-cpu+heap" in text.out
+
+
 def test_plot_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from purlin_sglang.bench.plot import plot_results

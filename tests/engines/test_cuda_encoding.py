@@ -18,7 +18,8 @@ import torch
 import purlin_sglang as ps
 import purlin_sglang.engines.cpu as cpu_engine
 from purlin_sglang.testing.collectives import (
-    COLLECTIVES, PACKET_FORMS, case, check_case, hybrid_cases, packet_cases, rooted_packet_cases, v_packet_cases,
+    COLLECTIVES, PACKET_FORMS, case, check_case, check_case_in_heap, heap_cases, hybrid_cases, packet_cases,
+    rooted_packet_cases, v_packet_cases,
 )
 from purlin_sglang.collectives import ReduceOp
 from purlin_sglang import native
@@ -50,8 +51,9 @@ class _Sim:
         with _LOCK:
             if id(ws) not in _SHARED:
                 n = self.dl.staging_off // 8
+                # staging: the workspace's own bytes (a direct plan reads a peer's input in its heap, their tail)
                 _SHARED[id(ws)] = ([np.zeros(n, dtype=np.int64) for _ in range(world)],
-                                   [torch.zeros(self.dl.staging_bytes, dtype=torch.uint8) for _ in range(world)])
+                                   [ws.staging_region(r) for r in range(world)])
             self.words, self.stage = _SHARED[id(ws)]
             self.windows = _SHARED.setdefault(("windows", id(ws)), {})  # (owner, parity, producer): [epoch, data, read]
 
@@ -527,3 +529,34 @@ def test_calls_that_differ_but_complete_are_caught_by_the_rank_that_waits_for_a_
     with pytest.raises(ps.PurlinMismatchError) as info:
         ps.run_virtual(2, fn, config=cfg)
     assert "entered call #2 with different collectives" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("twoshot", [False, True])
+def test_direct_tables_read_heap_inputs_in_place(sim, world, twoshot):
+    """Every collective with a packet form, its input in the symmetric heap, packets off (so every
+    call would run the staged one-shot): the encoded direct tables (a notify, waits, copies or a
+    reduce from the peers' heaps as STAGE refs past staging, acks, then a wait for the readers' acks)
+    bitwise the torch reference, between staged calls; ``twoshot``: the all_reduces run the direct
+    two-shot, in chunks of 64 bytes cycling through the shard's slots."""
+    tuning = {"packet_max_bytes": 0, **({"oneshot_max_bytes": 0, "max_chunk_bytes": 64} if twoshot else {})}
+    cfg = {"staging_bytes": 1 << 16, "symmetric_bytes": 1 << 20, "timeout_s": 20, "tuning": tuning}
+    cases = heap_cases(SEED + world)
+    _RAN.clear()
+
+    def fn(comm):
+        for i, c in enumerate(cases):
+            check_case_in_heap(comm, c)
+            if i % 5 == 4:
+                check_case(comm, case("all_gather", torch.float32, rows=3, width=5, seed=i), paths=("out",))
+
+    try:
+        ps.run_virtual(world, fn, config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    assert {"direct", "oneshot"} <= {alg for _, alg in _RAN}
+    direct = {name for name, alg in _RAN if alg == "direct"}
+    if twoshot:
+        assert ("all_reduce", "direct-twoshot") in _RAN and direct == set(PACKET_FORMS) - {"all_reduce"}
+    else:
+        assert direct == set(PACKET_FORMS)
