@@ -93,7 +93,7 @@ class Communicator:
         self._heap = SymmetricHeap(region, heap_start(self.config.staging_bytes), self.config.symmetric_bytes,
                                    f"the {self.memory} provider cannot hand out heap tensors yet (virtual worlds and "
                                    "the CPU engine can)")
-        self._path.heap = self._heap
+        self._path.heap = self._heap if self._heap.hi else None  # None: no lookup pays for a heap check
         self._closed = False
         # Made now (CUDA: a pinned allocation, an occupancy query), not inside a call: in loopback, host
         # allocations while peers' kernels spin could stall. The MoE region itself comes later.

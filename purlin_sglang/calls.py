@@ -167,7 +167,7 @@ class CallPath:
         self.calls: dict[tuple, Call] = {}  # insertion-ordered: the first entry is the oldest
         # measured bands (tuning.table), or None: the built-in thresholds
         self.table = table_in_use(config, device, world, placement)
-        self.heap: Any = None  # the communicator's SymmetricHeap (memory/heap.py), set once it exists
+        self.heap: Any = None  # the communicator's SymmetricHeap (memory/heap.py) where it has one
 
     def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None, push: int | None = None) -> str:
         """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
@@ -211,7 +211,7 @@ class CallPath:
         dtype = x.dtype
         key = (id(spec), op, root, dtype, x.shape, ins, outs)
         heap = self.heap
-        if heap is not None and heap.hi:  # where x lies in the symmetric heap decides the plan (direct), and
+        if heap is not None:  # where x lies in the symmetric heap decides the plan (direct), and
             at = _address(x)  # an in-place call of such an x stays staged: a key of its own
             key += (heap.offset_of(at), isinstance(out, torch.Tensor) and out.data_ptr() == at)
         call = self.calls.get(key)

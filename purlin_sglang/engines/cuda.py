@@ -191,14 +191,14 @@ class CudaEngine:
         pointers and the number into the bound struct and launches (one more per further part of a hybrid
         schedule). The caller has checked the engine usable (``engines.check_usable``) and ``x`` / ``y``
         against the call's shape."""
-        stream = self._launch_stream()
-        code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, stream)
+        code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, self._launch_stream())
         if code:
             self._launch_failed(bound.op, code)
-        for addr in bound.more:
-            code = self.lib.snac_launch(addr, x.data_ptr(), y.data_ptr(), seq, stream)
-            if code:
-                self._launch_failed(bound.op, code)
+        if bound.more:
+            for addr in bound.more:
+                code = self.lib.snac_launch(addr, x.data_ptr(), y.data_ptr(), seq, self._stream_handle)
+                if code:
+                    self._launch_failed(bound.op, code)
 
     def _fill(self, p: native.SnacParams, e: tuple, ctx) -> None:
         """The fields of one call's struct that its shape decides: table, dtype, call description."""
