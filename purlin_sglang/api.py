@@ -147,7 +147,9 @@ class Communicator:
         (for all_gather_v and reduce_scatter_v: the group's largest push, the largest ``sizes`` entry in
         bytes; all_to_all_v is ``hybrid`` on the CUDA engine whatever its sizes, each pair choosing
         packets or the one-shot by its own size): what the call path chooses, from ``tuning`` and its
-        table (:meth:`tuning_info`). Local; cheap."""
+        table (:meth:`tuning_info`), for an input outside the symmetric heap (one inside it runs
+        ``direct`` / ``direct-twoshot`` where this says ``oneshot`` / ``twoshot``: :meth:`symmetric_empty`).
+        Local; cheap."""
         return self._path.algorithm(collective, nbytes)
 
     def tuning_info(self) -> TableInUse:

@@ -248,6 +248,20 @@ def _desc_word(seq: int, payload: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def _run_seeded(world: int, fn, cfg: dict, seed: int) -> list:
+    """``run_virtual`` of ``fn`` on the model, its records cleared first; a failed check names ``seed``."""
+    _RAN.clear()
+    _PARTS.clear()
+    try:
+        return ps.run_virtual(world, fn, config=cfg)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+
+
+def _cases_fn(cases, paths):
+    return lambda comm: [check_case(comm, c, paths=paths) for c in cases]
+
+
 @pytest.fixture
 def sim(monkeypatch):
     monkeypatch.setattr(cpu_engine, "CpuEngine", _Sim)  # what engines.create("cpu", ...) builds
@@ -262,8 +276,7 @@ def test_encoded_tables_compute_every_collective(sim, world, algorithm):
     cases = [case(coll, torch.float32, rows=rows, width=37, seed=world, root=world - 1, salt=world)
              for coll in COLLECTIVES for rows in (1, 9)]
     cases.append(case("all_reduce", torch.bfloat16, rows=40, width=33, op="max", seed=2))
-    _RAN.clear()
-    ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
+    _run_seeded(world, _cases_fn(cases, ("out", "inplace")), cfg, world)
     if algorithm in ("auto", "packet"):  # small all_reduces take the packet protocol
         assert ("all_reduce", "packet") in _RAN, set(_RAN)
 
@@ -282,12 +295,7 @@ def test_packet_tables_compute_every_fixed_size_collective(sim, world, algorithm
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20,
            "tuning": {"algorithm": algorithm, "packet_max_bytes": PACKET_MAX_BYTES}}
     cases = packet_cases(SEED + world, large=algorithm == "auto")
-    _RAN.clear()
-    try:
-        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases],
-                       config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    _run_seeded(world, _cases_fn(cases, ("out", "inplace")), cfg, SEED + world)
     ran = {}
     for name, alg in _RAN:
         ran.setdefault(name, set()).add(alg)
@@ -305,11 +313,7 @@ def test_rooted_packet_tables_back_to_back_with_the_root_moving(sim, world):
     calls among them) and packet all_reduces in between are bitwise the torch reference."""
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20}
     cases = rooted_packet_cases(SEED + world, world)
-    _RAN.clear()
-    try:
-        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "inplace")) for c in cases], config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    _run_seeded(world, _cases_fn(cases, ("out", "inplace")), cfg, SEED + world)
     assert set(_RAN) == {(c, "packet") for c in ("broadcast", "gather", "reduce", "scatter", "all_reduce")}
 
 
@@ -323,11 +327,7 @@ def test_v_packet_tables_with_empty_slices(sim, world, raised):
     tuning = {"packet_max_bytes": PACKET_MAX_BYTES} if raised else {}
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": tuning}
     cases = v_packet_cases(SEED + world)
-    _RAN.clear()
-    try:
-        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out",)) for c in cases], config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    _run_seeded(world, _cases_fn(cases, ("out",)), cfg, SEED + world)
     ran = {}
     for name, alg in _RAN:
         ran.setdefault(name, set()).add(alg)
@@ -344,13 +344,7 @@ def test_hybrid_all_to_all_v_tables(sim, world):
     reference, through out= and a new output."""
     cfg = {"staging_bytes": 1 << 16, "timeout_s": 20, "tuning": {"packet_max_bytes": 200}}
     cases = hybrid_cases(SEED + world)
-    _RAN.clear()
-    _PARTS.clear()
-    try:
-        ps.run_virtual(world, lambda comm: [check_case(comm, c, paths=("out", "default")) for c in cases],
-                       config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    _run_seeded(world, _cases_fn(cases, ("out", "default")), cfg, SEED + world)
     assert {alg for name, alg in _RAN if name == "all_to_all_v"} == {"hybrid"}
     assert {alg for name, alg in _RAN if name != "all_to_all_v"} == {"packet", "oneshot"}
     assert set(_PARTS) == {1, 2}, _PARTS  # calls with and without a staged part on some rank
@@ -470,10 +464,7 @@ def test_the_call_check_changes_no_result_and_a_late_peer_is_no_mismatch(sim, wo
             check_case(comm, c, paths=("out",))
         return comm._engine._call[1], comm._engine.desc_reads  # the last call number published
 
-    try:
-        res = ps.run_virtual(world, fn, config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED}: {e}") from e
+    res = _run_seeded(world, fn, cfg, SEED)
     assert [r[0] for r in res] == [len(cases)] * world and len(cases) > 4  # past the ring's 4 slots
     assert sum(r[1] for r in res) > 0  # stalled waits did read descriptors
 
@@ -542,7 +533,6 @@ def test_direct_tables_read_heap_inputs_in_place(sim, world, twoshot):
     tuning = {"packet_max_bytes": 0, **({"oneshot_max_bytes": 0, "max_chunk_bytes": 64} if twoshot else {})}
     cfg = {"staging_bytes": 1 << 16, "symmetric_bytes": 1 << 20, "timeout_s": 20, "tuning": tuning}
     cases = heap_cases(SEED + world)
-    _RAN.clear()
 
     def fn(comm):
         for i, c in enumerate(cases):
@@ -550,10 +540,7 @@ def test_direct_tables_read_heap_inputs_in_place(sim, world, twoshot):
             if i % 5 == 4:
                 check_case(comm, case("all_gather", torch.float32, rows=3, width=5, seed=i), paths=("out",))
 
-    try:
-        ps.run_virtual(world, fn, config=cfg)
-    except AssertionError as e:
-        raise AssertionError(f"seed {SEED + world}: {e}") from e
+    _run_seeded(world, fn, cfg, SEED + world)
     assert {"direct", "oneshot"} <= {alg for _, alg in _RAN}
     direct = {name for name, alg in _RAN if alg == "direct"}
     if twoshot:
