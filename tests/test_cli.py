@@ -65,7 +65,7 @@ def test_module_entry_point():
     assert "native library:" in r.stdout
 
 
-@pytest.mark.parametrize("script", ["custom_collective.py"])
+@pytest.mark.parametrize("script", ["custom_collective.py", "symmetric_heap.py"])
 def test_examples_run(script):
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True,
                        timeout=300)
