@@ -89,10 +89,13 @@ class Communicator:
                               maxsize=self.CALL_CACHE_SIZE,
                               placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")
         self._seq = 0
-        region = ws.staging_region(rank) if hasattr(ws, "staging_region") else None
-        self._heap = SymmetricHeap(region, heap_start(self.config.staging_bytes), self.config.symmetric_bytes,
-                                   f"the {self.memory} provider cannot hand out heap tensors yet (virtual worlds and "
-                                   "the CPU engine can)")
+        region, why = None, f"the {self.memory} provider cannot hand out heap tensors"
+        if self.config.symmetric_bytes and hasattr(ws, "staging_region"):  # nothing runs here without a heap
+            try:
+                region = ws.staging_region(rank)
+            except Exception as e:  # noqa: BLE001 - the heap is then unavailable, with the reason
+                why = f"the {self.memory} provider's staging region could not be wrapped as a tensor: {e}"
+        self._heap = SymmetricHeap(region, heap_start(self.config.staging_bytes), self.config.symmetric_bytes, why)
         self._path.heap = self._heap if self._heap.hi else None  # None: no lookup pays for a heap check
         self._closed = False
         # Made now (CUDA: a pinned allocation, an occupancy query), not inside a call: in loopback, host
@@ -131,8 +134,9 @@ class Communicator:
         offset on every rank, reads its peers' inputs in place (the ``direct`` plans: no staging copy),
         where it would otherwise run the staged one-shot; an in-place call, or one whose output
         overlaps its input, stays staged. Nothing is freed before :meth:`close`; the tensor must not be
-        used after it. Virtual worlds (CPU and CUDA loopback) and CPU process groups have a heap; CUDA
-        process groups not yet (PurlinUnavailableError). Local."""
+        used after it. Every provider has one (a CUDA process group's, through the CUDA array
+        interface; a provider that cannot wrap its memory raises PurlinUnavailableError with the
+        reason). Local."""
         self._check_usable("symmetric_empty")
         return self._heap.empty(shape, dtype)
 

@@ -33,6 +33,21 @@ class DeviceWorkspace(Protocol):
         """Unmap peers and free this rank's memory. Safe to call twice."""
 
 
+class _DeviceBytes:
+    """``nbytes`` bytes of device memory at ``ptr``, described by the CUDA array interface (version 2:
+    no stream; the memory is ready)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def device_bytes(ptr: int, nbytes: int, device_index: int):
+    """A uint8 CUDA tensor over ``nbytes`` of device memory at ``ptr`` (not owned: no free, no copy)."""
+    import torch
+
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=torch.device("cuda", device_index))
+
+
 class WorkspaceLifetime:
     """What every provider's workspace shares: its fields, ``closed``, ``base_ptrs`` and
     ``hbm_bytes`` (which refuse or report 0 once closed), use as a context manager, a repr.
@@ -72,6 +87,16 @@ class WorkspaceLifetime:
     def hbm_bytes(self) -> int:
         """GPU memory of this rank's own allocation (0 once closed)."""
         return 0 if self._closed else self.nbytes
+
+    def staging_region(self, rank: int):
+        """This process's rank's staging region (a DeviceLayout's) as a uint8 CUDA tensor over the
+        workspace memory, no copy (memory/heap.py: the symmetric heap is its tail). The tensor does not
+        keep the memory alive: it is valid until :meth:`close`."""
+        self._check_open("staging_region")
+        if rank != self.rank:
+            raise ValueError(f"staging_region: rank {rank} is not this process's rank {self.rank}")
+        return device_bytes(self.base_ptrs[rank] + self.layout.staging_off, self.layout.staging_bytes,
+                            self.device_index)
 
     def __enter__(self):
         return self
