@@ -189,7 +189,7 @@ def _heap_worker(rank, world, memory, seed):
 
     torch.cuda.set_device(0)
     cfg = {"memory": memory, "staging_bytes": STAGING, "symmetric_bytes": 8 << 20, "timeout_s": 30,
-           "tuning": {"packet_max_bytes": 0}}
+           "tuning": {"packet_max_bytes": 0, "table": "thresholds"}}
     cuda = ps.Communicator(None, "cuda:0", config=cfg)
     cpu = ps.Communicator(None, "cpu", config={"staging_bytes": STAGING, "timeout_s": 30})
     bad, algs = [], set()

@@ -21,8 +21,10 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
 ]
-# packets off, so that every call would run the staged one-shot and runs direct instead
-HEAP = {"staging_bytes": 1 << 20, "symmetric_bytes": 8 << 20, "timeout_s": 8, "tuning": {"packet_max_bytes": 0}}
+# packets off and the built-in thresholds (the shipped H200 table would choose packets), so that every
+# call would run the staged one-shot (or two-shot) and runs direct instead
+HEAP = {"staging_bytes": 1 << 20, "symmetric_bytes": 8 << 20, "timeout_s": 8,
+        "tuning": {"packet_max_bytes": 0, "table": "thresholds"}}
 
 
 def _heap_run(world: int, cases: list[dict], device: str, config=HEAP) -> list:
@@ -58,7 +60,7 @@ def _heap_run(world: int, cases: list[dict], device: str, config=HEAP) -> list:
 def test_heap_inputs_are_read_in_place_bitwise_the_cpu_engine(world, twoshot):
     """``twoshot``: the all_reduces run the direct two-shot, in chunks of 64 bytes through the shard's slots."""
     cases = heap_cases(SEED + world)
-    chunks = {"packet_max_bytes": 0, "oneshot_max_bytes": 0, "max_chunk_bytes": 64}
+    chunks = {**HEAP["tuning"], "oneshot_max_bytes": 0, "max_chunk_bytes": 64}
     cfg = {**HEAP, "tuning": chunks} if twoshot else HEAP
     got = _heap_run(world, cases, "cuda", cfg)
     ref = _heap_run(world, cases, "cpu", cfg)
