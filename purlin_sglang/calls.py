@@ -308,8 +308,7 @@ class CallPath:
         must pass its input at the same heap offset: the offset is part of the plan, so ranks that
         differ get different fingerprints."""
         heap = self.heap
-        if (heap is None or not heap.hi or algorithm not in ("oneshot", "twoshot") or self.world < 2
-                or not has_packet_form(spec)):
+        if heap is None or algorithm not in ("oneshot", "twoshot") or self.world < 2 or not has_packet_form(spec):
             return -1
         off = heap.offset_of(_address(x))
         if off < 0 or off + x.nbytes > heap.nbytes or _overlaps(x, out):

@@ -45,10 +45,6 @@ class SymmetricHeap:
         lo = region.data_ptr() + start if self._region is not None else 0
         self.lo, self.hi = lo, lo + (nbytes if self._region is not None else 0)  # data_ptr range
 
-    @property
-    def used(self) -> int:
-        return self._next
-
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` at the next free offset (not zeroed)."""
         if self.nbytes == 0:

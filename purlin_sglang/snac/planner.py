@@ -217,11 +217,7 @@ def make_plan(
             program = RankProgram(rank, (), (), tuple(_direct(spec, world, rank, root)))
             return Plan(spec, world, rank, root, algorithm, 0, 1, 1, program, notes, input_at=input_at)
         items, body = _direct_twoshot(spec, world, rank)
-        chunk = min(policy.max_chunk_bytes, staging_bytes // policy.slots)
-        chunk -= chunk % ALIGN
-        if chunk < ALIGN:
-            raise PurlinPlanError(f"{spec.name}: staging_bytes={staging_bytes} is too small for {policy.slots} slots "
-                                  f"of at least {ALIGN} bytes; raise staging_bytes or lower tuning.slots")
+        chunk = _chunk_bytes(spec, staging_bytes, 1, policy)  # one staged item: my shard
         program = RankProgram(rank, tuple(items), (DrainAll(),), tuple(body))
         return Plan(spec, world, rank, root, algorithm, chunk, policy.slots, 1, program,
                     notes + (f"output cut into {world} parts; part q reduced by rank q into its staged shard",),
@@ -242,6 +238,16 @@ def make_plan(
         items, body, notes = _oneshot(spec, world, rank, root)
         n_items = world if spec.input.sliced else 1
     slots = policy.slots
+    chunk = _chunk_bytes(spec, staging_bytes, n_items, policy)
+    prologue: tuple[Step, ...] = (DrainAll(),) if items else ()
+    program = RankProgram(rank, tuple(items), prologue, tuple(body))
+    return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
+
+
+def _chunk_bytes(spec: CollectiveSpec, staging_bytes: int, n_items: int, policy: TuningPolicy) -> int:
+    """The chunk of a staged plan: ``n_items`` items x ``tuning.slots`` slots share the staging, at
+    most ``tuning.max_chunk_bytes`` each, aligned to ALIGN; too little staging is a PurlinPlanError."""
+    slots = policy.slots
     chunk = min(policy.max_chunk_bytes, staging_bytes // (n_items * slots))
     chunk -= chunk % ALIGN
     if chunk < ALIGN:
@@ -249,9 +255,7 @@ def make_plan(
             f"{spec.name}: staging_bytes={staging_bytes} is too small for {n_items} items x {slots} slots "
             f"of at least {ALIGN} bytes; raise staging_bytes or lower tuning.slots"
         )
-    prologue: tuple[Step, ...] = (DrainAll(),) if items else ()
-    program = RankProgram(rank, tuple(items), prologue, tuple(body))
-    return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
+    return chunk
 
 
 def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:

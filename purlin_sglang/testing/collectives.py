@@ -327,22 +327,28 @@ def heap_cases(seed: int) -> list[dict]:
     return out
 
 
-def check_case_in_heap(comm, c: dict) -> torch.Tensor:
-    """Run ``c`` with this rank's input in a new tensor of the communicator's symmetric heap
-    (``Communicator.symmetric_empty``) and check the result bitwise, out= path, input unchanged.
+def heap_input(comm, xs: list) -> torch.Tensor:
+    """This rank's input ``xs[rank]`` copied into a new tensor of the communicator's symmetric heap.
 
     Every rank allocates alike, so the tensors lie at the same heap offset: a V form's rows differ
-    between ranks, so the largest is allocated and each rank passes a view of its own rows. Returns
-    rank r's output. Collective: every rank must call it with the same ``c``."""
+    between ranks, so the largest is allocated and each rank gets a view of its own rows."""
+    mine = xs[comm.rank]
+    if mine.dim():
+        rows = max(t.shape[0] for t in xs)
+        x = comm.symmetric_empty((rows,) + tuple(mine.shape[1:]), mine.dtype)[: mine.shape[0]]
+    else:
+        x = comm.symmetric_empty((), mine.dtype)
+    return x.copy_(mine)
+
+
+def check_case_in_heap(comm, c: dict) -> torch.Tensor:
+    """Run ``c`` with this rank's input in a new tensor of the communicator's symmetric heap
+    (``Communicator.symmetric_empty``, :func:`heap_input`) and check the result bitwise, out= path,
+    input unchanged. Returns rank r's output. Collective: every rank must call it with the same ``c``."""
     world, r = comm.world_size, comm.rank
     xs = case_inputs(c, world)
     want, touched = case_expected(c, world, r, xs)
-    if xs[r].dim():
-        rows = max(t.shape[0] for t in xs)
-        x = comm.symmetric_empty((rows,) + tuple(xs[r].shape[1:]), xs[r].dtype)[: xs[r].shape[0]]
-    else:
-        x = comm.symmetric_empty((), xs[r].dtype)
-    x.copy_(xs[r])
+    x = heap_input(comm, xs)
     out = poison_like(want)
     assert case_call(comm, c, x, out) is out
     what = f"rank {r} of {world}: {c['coll']} {c['dtype']} op={c['op']} (input in the symmetric heap)"

@@ -14,7 +14,7 @@ import torch
 from _engine_check import SEED  # noqa: E402
 import purlin_sglang as ps  # noqa: E402
 from purlin_sglang.testing.collectives import (  # noqa: E402
-    PACKET_FORMS, assert_bits_equal, case_call, case_expected, case_inputs, heap_cases, poison_like,
+    PACKET_FORMS, assert_bits_equal, case_call, case_expected, case_inputs, heap_cases, heap_input, poison_like,
 )
 
 pytestmark = [
@@ -38,11 +38,7 @@ def _heap_run(world: int, cases: list[dict], device: str, config=HEAP) -> list:
         for c in cases:
             xs = case_inputs(c, world)
             want, _ = case_expected(c, world, comm.rank, xs)
-            rows = max(t.shape[0] for t in xs)
-            x = comm.symmetric_empty((rows,) + tuple(xs[comm.rank].shape[1:]), xs[comm.rank].dtype)
-            x = x[: xs[comm.rank].shape[0]]
-            x.copy_(xs[comm.rank].to(comm.device))
-            jobs.append((c, x, poison_like(want).to(comm.device), xs[comm.rank]))
+            jobs.append((c, heap_input(comm, xs), poison_like(want).to(comm.device), xs[comm.rank]))
         barrier.wait()
         for c, x, out, _ in jobs:
             assert case_call(comm, c, x, out) is out
