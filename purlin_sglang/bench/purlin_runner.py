@@ -136,9 +136,11 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 
     try:
         config = {"timeout_s": opts.timeout_s, **({"tuning": opts.tuning} if opts.tuning else {})}
-        if opts.symmetric:  # every case's input buffers, each at a 256-byte boundary (nothing is freed)
-            config["symmetric_bytes"] = 256 + sum(
-                opts.buffers(c, world if device.type == "cuda" else 1) * -(-c.in_numel * c.elsize // 256) * 256
+        if opts.symmetric:  # every case's input buffers, each at a heap alignment boundary (nothing is freed)
+            from ..memory.heap import ALIGN
+
+            config["symmetric_bytes"] = ALIGN + sum(
+                opts.buffers(c, world if device.type == "cuda" else 1) * -(-c.in_numel * c.elsize // ALIGN) * ALIGN
                 for c in cases)
         return run_virtual(world, guarded, device=device, config=config)
     except BaseException as e:
