@@ -168,10 +168,13 @@ __device__ __forceinline__ bool reduce_record_ok(long long w0) {
 
 // Records i, i+1, ... with opcode `code`: the length of the run starting at i (the interpreter's runs of
 // signals and waits, the packet kernel's runs of copies).
-__device__ __forceinline__ long long run_length(const PurlinSnacParams& p, long long i, int code) {
+__device__ __forceinline__ long long run_length(const long long* ops, long long n_ops, long long i, int code) {
   long long n = 1;
-  while (i + n < p.n_ops && int(p.ops[(i + n) * kOpWords] & 0xff) == code) ++n;
+  while (i + n < n_ops && int(ops[(i + n) * kOpWords] & 0xff) == code) ++n;
   return n;
+}
+__device__ __forceinline__ long long run_length(const PurlinSnacParams& p, long long i, int code) {
+  return run_length(p.ops, p.n_ops, i, code);
 }
 
 }  // namespace purlin::snac

@@ -331,23 +331,35 @@ __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacPa
 // the call costs block 0's descriptor push and the signature in every packet; the descriptor is read
 // only by a stalled wait (poll_pending), never on the hot path (sixth session: before, the thread of
 // packet 0 loaded and compared every producer's descriptor).
+// Records of a packet schedule kept in shared memory (3 KiB); a longer table is read from global memory.
+// At 8 ranks the longest packet schedule (all_to_all and its V forms) has 15 records.
+constexpr long long kPacketTableRecords = 32;
+
 template <class T, bool kCheck>
 __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_kernel(PurlinSnacParams p) {
   char* me = own(p);
   long long* epoch_word = reinterpret_cast<long long*>(me + p.epoch_off) + blockIdx.x;
-  const long long before = *epoch_word;  // loaded together with the error word below
+  const long long before = *epoch_word;  // loaded together with the error word below and the table
+  // The op table in shared memory (kPacketTableRecords): loaded once by the whole block, so reading a
+  // record costs no memory round trip (before, each record's words were a dependent global load).
+  __shared__ long long table[kPacketTableRecords * kOpWords];
+  const long long* ops = p.ops;
+  if (p.n_ops <= kPacketTableRecords) {
+    for (long long w = threadIdx.x; w < p.n_ops * kOpWords; w += blockDim.x) table[w] = p.ops[w];
+    ops = table;
+  }
   if (__syncthreads_or(threadIdx.x == 0 && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) {
     return;
   }
   const Epoch epoch = call_epoch<kCheck>(p, before);
   if constexpr (kCheck) push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
-    const long long* o = p.ops + i * kOpWords;
+    const long long* o = ops + i * kOpWords;
     switch (int(o[0] & 0xff)) {
       case kPacketPut: {  // consecutive one-consumer puts (a sliced input) run 8 at a time (exec_packet_puts_1)
         long long run = 0;
-        while (i + run < p.n_ops && int(p.ops[(i + run) * kOpWords] & 0xff) == kPacketPut &&
-               p.ops[(i + run) * kOpWords + 3] == 1) {
+        while (i + run < p.n_ops && int(ops[(i + run) * kOpWords] & 0xff) == kPacketPut &&
+               ops[(i + run) * kOpWords + 3] == 1) {
           ++run;
         }
         if (run < 2) {
@@ -373,7 +385,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
         }
         break;
       case kPacketCopy: {  // a run of copies, 8 records at a time (exec_packet_copies)
-        const long long run = run_length(p, i, kPacketCopy);
+        const long long run = run_length(ops, p.n_ops, i, kPacketCopy);
         bool ok = true;
         for (long long g = 0; g < run && ok; g += 8) {
           ok = exec_packet_copies<kCheck>(o + g * kOpWords, int(run - g < 8 ? run - g : 8), p, epoch, i + g);
