@@ -85,3 +85,13 @@ def test_all_to_all_v_runs_hybrid_with_pairs_on_both_sides_of_the_limit(world):
     algs = ps.run_virtual(world, lambda comm: comm.algorithm("all_to_all_v", 64), device="cuda", config=cfg)
     assert algs == ["hybrid"] * world
     check(world, hybrid_cases(SEED + 400 + world), config=cfg, inplace=False)
+
+
+def test_a_packet_table_longer_than_the_shared_copy_is_read_from_global_memory():
+    """The packet kernel keeps up to 32 records in shared memory (snac/packet.cuh kPacketTableRecords).
+    all_to_all at 17 ranks is 16 puts and 17 copies, 33 records: read from global memory; all_gather at 17
+    (one put, 17 copies) from shared memory; a one-element all_to_all between them. Bitwise the CPU engine."""
+    cases = [case("all_to_all", torch.bfloat16, rows=3, width=5, seed=SEED + 400),
+             case("all_gather", torch.float32, rows=2, width=7, seed=SEED + 401),
+             case("all_to_all", torch.int8, rows=1, width=1, seed=SEED + 402)]
+    check(17, cases, config=FORCED)
