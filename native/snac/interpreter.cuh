@@ -206,15 +206,29 @@ __device__ inline bool exec_drain_all(const long long* o, const PurlinSnacParams
   return true;
 }
 
+// Words of a schedule (records, then the mirror update pairs) kept in shared memory (8 KiB): the 8-rank
+// one-shot is 25 records and 21 pairs (342 words); a longer table is read from global memory.
+constexpr long long kTableWords = 1024;
+
 template <class T>
 __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSnacParams p) {
   const bool lead = threadIdx.x == 0;
   __shared__ int s_last;
+  // The op table in shared memory, loaded once by the whole block: reading a record, finding the end
+  // of a run of signals or waits, and the mirror updates at exit then cost no global round trip each
+  // (before, each was a dependent global load, one after another).
+  __shared__ long long table[kTableWords];
+  const long long words = p.n_ops * kOpWords + 2 * p.n_updates;
+  const long long* ops = p.ops;
+  if (words <= kTableWords) {
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) table[w] = p.ops[w];
+    ops = table;
+  }
   char* me = own(p);
   if (__syncthreads_or(lead && ld_relaxed_sys(reinterpret_cast<const long long*>(me + p.error_off)) != 0)) return;
   push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
-    const long long* o = p.ops + i * kOpWords;
+    const long long* o = ops + i * kOpWords;
     const long long w0 = o[0];
     switch (int(w0 & 0xff)) {
       case kCopy: exec_copy(o, p); break;
@@ -231,7 +245,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
         }
         break;
       case kSignal: {  // a run of signals: one arrival, then the last block gives them all
-        const long long n = run_length(p, i, kSignal);
+        const long long n = run_length(ops, p.n_ops, i, kSignal);
         __syncthreads();
         if (lead) s_last = arrive_last(o, p);
         __syncthreads();
@@ -242,7 +256,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
         break;
       }
       case kWait: {  // a run of waits: polled by one thread each, in parallel
-        const long long n = run_length(p, i, kWait);
+        const long long n = run_length(ops, p.n_ops, i, kWait);
         bool ok = true;
         for (long long j = threadIdx.x; j < n; j += blockDim.x) ok = ok && exec_wait(o + j * kOpWords, p, i + j);
         if (__syncthreads_or(!ok)) return;
@@ -262,15 +276,20 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
         return;
     }
   }
-  __syncthreads();
-  if (!lead) return;
   if (p.n_updates == 0) return;  // no mirrors to write back: no exit counter, no fences
-  __threadfence();
-  auto* ctr = reinterpret_cast<unsigned long long*>(me + p.exit_off);
-  if ((atomicAdd(ctr, 1ull) + 1) % static_cast<unsigned long long>(p.blocks) != 0) return;
-  __threadfence();
-  const long long* up = p.ops + p.n_ops * kOpWords;
-  for (long long u = 0; u < p.n_updates; ++u) {
+  __syncthreads();
+  if (lead) {
+    __threadfence();
+    auto* ctr = reinterpret_cast<unsigned long long*>(me + p.exit_off);
+    s_last = (atomicAdd(ctr, 1ull) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
+    if (s_last) __threadfence();
+  }
+  __syncthreads();
+  if (!s_last) return;
+  // The last block to finish: every block has read the mirrors. Each pair names another mirror word
+  // (one per peer, item and counter), so the block's threads write them back in parallel.
+  const long long* up = ops + p.n_ops * kOpWords;
+  for (long long u = threadIdx.x; u < p.n_updates; u += blockDim.x) {
     long long* m = reinterpret_cast<long long*>(me + up[2 * u]);
     *m = *m + up[2 * u + 1];
   }
