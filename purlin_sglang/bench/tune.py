@@ -29,9 +29,9 @@ from .args import csv_list, size_arg, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .purlin_runner import Options, run_purlin
 
-_DEFAULTS = {  # (worlds, min, max, factor, iters, warm-up): CPU small enough to finish in seconds
-    "cuda": ([2, 4, 8], 1 << 10, 16 << 20, 4.0, 20, 5),
-    "cpu": ([2], 1 << 10, 64 << 10, 4.0, 5, 1),
+_DEFAULTS = {  # (worlds, min, max, factor, iters, warm-up, refine): CPU small enough to finish in seconds
+    "cuda": ([2, 4, 8], 1 << 10, 16 << 20, 4.0, 20, 5, 2),
+    "cpu": ([2], 1 << 10, 64 << 10, 4.0, 5, 1, 0),
 }
 
 
@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-bytes", type=size_arg, default=None, help="per-rank input, sweep start (default 1K)")
     p.add_argument("--max-bytes", type=size_arg, default=None, help="sweep end (default 16M GPU, 64K CPU)")
     p.add_argument("--factor", type=float, default=None, help="sweep step (default 4)")
+    p.add_argument("--refine", type=int, default=None,
+                   help="times to halve the step (geometrically) where the fastest algorithm changes between two "
+                        "measured sizes: the midpoint is measured too (default 2 GPU: a crossover then lies within "
+                        "a factor 4^(1/4) = 1.41 of its measured size; 0 CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--iters", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 5 GPU, 1 CPU)")
@@ -79,6 +83,21 @@ def bands(times: dict[int, dict[str, float]]) -> list[list]:
     return out
 
 
+def crossover_midpoints(measured: dict[int, dict[str, float]]) -> list[int]:
+    """Sizes between two neighbouring measured sizes whose fastest algorithms differ: their geometric mean,
+    rounded down to a multiple of 256 bytes (64 for small sizes), where that lies strictly between them."""
+    sizes = sorted(measured)
+    best = {b: min(measured[b], key=measured[b].get) for b in sizes}
+    out = []
+    for a, b in zip(sizes, sizes[1:]):
+        if best[a] != best[b]:
+            step = 256 if a >= 4096 else 64
+            m = int((a * b) ** 0.5) // step * step
+            if a < m < b:
+                out.append(m)
+    return out
+
+
 def _device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device()) if device == "cuda" else "cpu"
 
@@ -90,14 +109,15 @@ def run(args: argparse.Namespace) -> int:
     from .. import __version__
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    worlds, lo, hi, factor, iters, warmup = _DEFAULTS[device]
+    worlds, lo, hi, factor, iters, warmup, refine = _DEFAULTS[device]
     worlds = args.worlds or worlds
     iters, warmup = args.iters or iters, warmup if args.warmup is None else args.warmup
+    refine = refine if getattr(args, "refine", None) is None else args.refine
     try:
         sizes = size_sweep(args.min_bytes or lo, args.max_bytes or hi, args.factor or factor)
         todo = candidates(device, args.collectives)
-        if iters < 1 or warmup < 0 or args.graph_calls < 1:
-            raise ValueError("tune: need --iters >= 1, --warmup >= 0, --graph-calls >= 1")
+        if iters < 1 or warmup < 0 or args.graph_calls < 1 or refine < 0:
+            raise ValueError("tune: need --iters >= 1, --warmup >= 0, --graph-calls >= 1, --refine >= 0")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -108,37 +128,50 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     entries: dict[str, dict[str, list]] = {}
+
+    def measure(world: int, name: str, algorithms, grid: list[int], times: dict[int, dict[str, float]]) -> None:
+        """Time every algorithm at every size of ``grid`` (those it runs), into ``times`` and ``rows``."""
+        cases = {c.in_numel * c.elsize: c for c in (make_case(name, s, world, dtype) for s in grid)}
+        cases = {b: c for b, c in cases.items() if b not in times}
+        times.update({b: {} for b in cases})
+        for algorithm in algorithms:
+            mine = [b for b in cases if algorithm != "packet"
+                    or packet_push_bytes(CATALOG[name], b, world) <= PACKET_WINDOW_BYTES]
+            if not mine:
+                continue
+            sys.stderr.write(f"tune: world {world} {name} {algorithm}: {len(mine)} sizes\n")
+            opts = Options(dtype=dtype, iters=iters, warmup=warmup, graph_calls=args.graph_calls, rotate=1,
+                           l2_bytes=1 << 62, seed=args.seed, timeout_s=args.timeout,
+                           tuning={"algorithm": algorithm})
+            try:
+                per_rank = run_purlin(name, world, mode, [cases[b] for b in mine], opts, torch.device(device))
+            except Exception as e:  # noqa: BLE001 - reported; the run goes on and exits 1
+                failures.append(f"world {world} {name} {algorithm}: {type(e).__name__}: {e}")
+                sys.stderr.write(f"tune: FAILED {failures[-1]}\n")
+                continue
+            for i, b in enumerate(mine):
+                res = [pr[1][i] for pr in per_rank]
+                samples = [max(t) for t in zip(*(x["samples"] for x in res))]
+                ok = all(x["ok"] for x in res)
+                med = statistics.median(samples)
+                rows.append({"world": world, "collective": name, "algorithm": algorithm, "bytes": b,
+                             "median_us": med * 1e6, "correct": ok, "exact": all(x["exact"] for x in res)})
+                if ok:
+                    times[b][algorithm] = med
+                else:
+                    failures.append(f"world {world} {name} {algorithm} {human_bytes(b)}: WRONG result")
+                    sys.stderr.write(f"tune: {failures[-1]}\n")
+
     for world in worlds:
         for name, algorithms in todo.items():
-            cases = {c.in_numel * c.elsize: c for c in (make_case(name, s, world, dtype) for s in sizes)}
-            times: dict[int, dict[str, float]] = {b: {} for b in cases}
-            for algorithm in algorithms:
-                mine = [b for b in cases if algorithm != "packet"
-                        or packet_push_bytes(CATALOG[name], b, world) <= PACKET_WINDOW_BYTES]
-                if not mine:
-                    continue
-                sys.stderr.write(f"tune: world {world} {name} {algorithm}: {len(mine)} sizes\n")
-                opts = Options(dtype=dtype, iters=iters, warmup=warmup, graph_calls=args.graph_calls, rotate=1,
-                               l2_bytes=1 << 62, seed=args.seed, timeout_s=args.timeout,
-                               tuning={"algorithm": algorithm})
-                try:
-                    per_rank = run_purlin(name, world, mode, [cases[b] for b in mine], opts, torch.device(device))
-                except Exception as e:  # noqa: BLE001 - reported; the run goes on and exits 1
-                    failures.append(f"world {world} {name} {algorithm}: {type(e).__name__}: {e}")
-                    sys.stderr.write(f"tune: FAILED {failures[-1]}\n")
-                    continue
-                for i, b in enumerate(mine):
-                    res = [pr[1][i] for pr in per_rank]
-                    samples = [max(t) for t in zip(*(x["samples"] for x in res))]
-                    ok = all(x["ok"] for x in res)
-                    med = statistics.median(samples)
-                    rows.append({"world": world, "collective": name, "algorithm": algorithm, "bytes": b,
-                                 "median_us": med * 1e6, "correct": ok, "exact": all(x["exact"] for x in res)})
-                    if ok:
-                        times[b][algorithm] = med
-                    else:
-                        failures.append(f"world {world} {name} {algorithm} {human_bytes(b)}: WRONG result")
-                        sys.stderr.write(f"tune: {failures[-1]}\n")
+            times: dict[int, dict[str, float]] = {}
+            measure(world, name, algorithms, sizes, times)
+            for _ in range(refine):  # the crossovers: measure between neighbours whose winners differ
+                mids = crossover_midpoints({b: t for b, t in times.items() if t})
+                if not mids:
+                    break
+                sys.stderr.write(f"tune: world {world} {name}: crossover sizes {[human_bytes(m) for m in mids]}\n")
+                measure(world, name, algorithms, mids, times)
             measured = {b: t for b, t in times.items() if t}
             if measured:
                 entries.setdefault(str(world), {})[name] = bands(measured)

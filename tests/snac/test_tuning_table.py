@@ -66,6 +66,42 @@ def test_tune_cpu_writes_a_valid_table(tmp_path, capsys):
             assert at[(size, alg)] == min(v for (s, _), v in at.items() if s == size)
 
 
+def test_crossover_midpoints_lie_between_neighbours_whose_winners_differ():
+    from purlin_sglang.bench.tune import crossover_midpoints
+
+    t = {1024: {"packet": 1.0, "oneshot": 2.0}, 4096: {"packet": 1.0, "oneshot": 2.0},
+         16384: {"packet": 3.0, "oneshot": 2.0}, 65536: {"packet": 3.0, "oneshot": 2.0},
+         262144: {"oneshot": 2.0, "twoshot": 1.0}}
+    assert crossover_midpoints(t) == [8192, 131072]
+    assert crossover_midpoints({1024: {"a": 1.0}, 4096: {"a": 1.0}}) == []
+    assert crossover_midpoints({1024: {"a": 1.0, "b": 2.0}, 1088: {"a": 2.0, "b": 1.0}}) == []  # nothing between
+    assert crossover_midpoints({1000: {"a": 1.0, "b": 2.0}, 3000: {"a": 2.0, "b": 1.0}}) == [1728]  # 64-byte steps
+
+
+def test_tune_refine_measures_between_the_grid_sizes_where_the_winner_changes(tmp_path, capsys):
+    """--refine 1: the midpoint of each grid neighbour pair whose fastest algorithms differ is measured too,
+    and nowhere else; the bands come from every measured size. The CPU engine's timings are noisy, so the
+    run's own measurements say where the winner changed."""
+    out = tmp_path / "t.json"
+    rc = cli.main(["tune", "--device", "cpu", "--worlds", "2", "--min-bytes", "1K", "--max-bytes", "64K",
+                   "--factor", "4", "--refine", "1", "--iters", "2", "--warmup", "0", "--out", str(out)])
+    text = capsys.readouterr()
+    assert rc == 0, text.out + text.err
+    rows = json.loads(out.read_text())["measurements"]
+    at: dict[int, dict[str, float]] = {}
+    for r in rows:
+        at.setdefault(r["bytes"], {})[r["algorithm"]] = r["median_us"]
+    grid = [1024, 4096, 16384, 65536]
+    best = {b: min(at[b], key=at[b].get) for b in at}
+    extra = sorted(set(at) - set(grid))
+    want = [m for a, b in zip(grid, grid[1:]) if best[a] != best[b] for m in sorted(at) if a < m < b]
+    assert extra == want and len(extra) == sum(best[a] != best[b] for a, b in zip(grid, grid[1:]))
+    assert ("crossover sizes" in text.err) == bool(extra)
+    bands = json.loads(out.read_text())["entries"]["2"]["all_reduce"]
+    for size, alg in bands:
+        assert best[size] == alg
+
+
 def test_a_table_changes_the_algorithm_and_not_the_bits(tmp_path):
     path = write(tmp_path, {"2": {"all_reduce": [[1024, "twoshot"], [8192, "oneshot"], [1 << 30, "twoshot"]]}})
     builtin = run_all_reduce({"timeout_s": 20})
