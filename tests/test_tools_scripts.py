@@ -37,3 +37,21 @@ def test_eager_ab_refuses_an_unknown_step(tmp_path):
     r = subprocess.run(["bash", str(TOOLS / "gpu-eager-ab.sh"), "nonsense"], capture_output=True, text=True,
                        env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_issue16_table_reads_the_kept_records_and_a_missing_record_stays_empty(tmp_path):
+    """tools/issue16_table.py prints issue 16's table from the tenth session's records (docs/results):
+    each row from its own record, nothing filled in where a record is missing."""
+    import sys
+
+    prefix = Path(__file__).resolve().parents[1] / "docs/results/2026-12-05-h200-s10"
+    r = subprocess.run([sys.executable, str(TOOLS / "issue16_table.py"), str(prefix)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in r.stdout.splitlines()[2:]}
+    assert len(rows) == 11
+    heap = next(v for k, v in rows.items() if "symmetric heap" in k)
+    assert "0.61 / 0.81 / 0.93 / 0.92" in heap and heap.endswith("| yes / yes / yes / yes |")
+    assert rows["all_reduce 8 KiB packet, 8 ranks (graph A/B, median of rounds)"].endswith("| 6.47 | 6.36 | <= 4.0 | no |")
+    r = subprocess.run([sys.executable, str(TOOLS / "issue16_table.py"), str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert all("| - |" in line or "- / -" in line or "-/-" in line for line in r.stdout.splitlines()[2:])

@@ -1,13 +1,16 @@
 """Issue 16's table from one device call's records: the baseline and this build side by side, each target checked.
 
-    python3 tools/issue16_table.py OUT_DIR [--markdown]
+    python3 tools/issue16_table.py OUT_DIR
+    python3 tools/issue16_table.py docs/results/2026-12-05-h200-s10     # the records as kept (a prefix)
 
 OUT_DIR is what `tools/gpu-issue16.sh` (and the `--symmetric` run beside it) left under $OUT, unpacked:
   coll-new/results.json, coll-base/results.json   `bench collectives --world 8 ... --modes graph` of each build
   coll-sym/results.json                            the same of this build with `--symmetric` (optional)
   bench_engine.json, bench_engine_base.json        tests/gpu/bench_cuda_engine.py of each build
   graph-ab/ab.jsonl, eager-ab/ab.jsonl             tools/gpu-graph-ab.sh and tools/gpu-eager-ab.sh (optional)
-A record that is missing leaves its cells "-"; nothing is filled in from elsewhere.
+A record that is missing leaves its cells "-"; nothing is filled in from elsewhere. Given a prefix instead
+of a folder, the records are PREFIX-bench-collectives.json, -bench-collectives-base.json,
+-bench-collectives-symmetric.json, -cuda-engine.json, -cuda-engine-base.json, -graph-ab.jsonl, -eager-ab.jsonl.
 """
 from __future__ import annotations
 
@@ -57,14 +60,29 @@ def fmt(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+# where each record lies: in a call's $OUT folder, and as kept under docs/results (PREFIX + suffix)
+RECORDS = {"new": ("coll-new/results.json", "-bench-collectives.json"),
+           "base": ("coll-base/results.json", "-bench-collectives-base.json"),
+           "sym": ("coll-sym/results.json", "-bench-collectives-symmetric.json"),
+           "engine": ("bench_engine.json", "-cuda-engine.json"),
+           "engine_base": ("bench_engine_base.json", "-cuda-engine-base.json"),
+           "graph_ab": ("graph-ab/ab.jsonl", "-graph-ab.jsonl"),
+           "eager_ab": ("eager-ab/ab.jsonl", "-eager-ab.jsonl")}
+
+
+def record(out: Path, key: str) -> Path:
+    folder, suffix = RECORDS[key]
+    return out / folder if out.is_dir() else Path(str(out) + suffix)
+
+
 def build(out: Path) -> list[tuple]:
-    new, base = coll_rows(_load(out / "coll-new/results.json")), coll_rows(_load(out / "coll-base/results.json"))
-    sym = coll_rows(_load(out / "coll-sym/results.json"))
-    eng = engine_rows(_load(out / "bench_engine.json"))
-    eng_b = engine_rows(_load(out / "bench_engine_base.json"))
-    gab = ab_medians(_jsonl(out / "graph-ab/ab.jsonl"), "case")
+    new, base = coll_rows(_load(record(out, "new"))), coll_rows(_load(record(out, "base")))
+    sym = coll_rows(_load(record(out, "sym")))
+    eng = engine_rows(_load(record(out, "engine")))
+    eng_b = engine_rows(_load(record(out, "engine_base")))
+    gab = ab_medians(_jsonl(record(out, "graph_ab")), "case")
     # eager rows by world and output mode (out=, as the issue's figure; "new": a new output per call)
-    eab = ab_medians([dict(r, case=(r["world"], r.get("out", "out="))) for r in _jsonl(out / "eager-ab/ab.jsonl")],
+    eab = ab_medians([dict(r, case=(r["world"], r.get("out", "out="))) for r in _jsonl(record(out, "eager_ab"))],
                      "case")
 
     def t(rows, coll, nbytes):
