@@ -166,15 +166,13 @@ __device__ __forceinline__ bool reduce_record_ok(long long w0) {
   return op >= PURLIN_REDUCE_SUM && op <= PURLIN_REDUCE_MIN && k >= 1 && k <= PURLIN_REDUCE_MAX_SOURCES;
 }
 
-// Records i, i+1, ... with opcode `code`: the length of the run starting at i (the interpreter's runs of
-// signals and waits, the packet kernel's runs of copies).
+// Records i, i+1, ... of `ops` (either kernel's table, in shared or global memory) with opcode `code`:
+// the length of the run starting at i (the interpreter's runs of signals and waits, the packet kernel's
+// runs of copies).
 __device__ __forceinline__ long long run_length(const long long* ops, long long n_ops, long long i, int code) {
   long long n = 1;
   while (i + n < n_ops && int(ops[(i + n) * kOpWords] & 0xff) == code) ++n;
   return n;
-}
-__device__ __forceinline__ long long run_length(const PurlinSnacParams& p, long long i, int code) {
-  return run_length(p.ops, p.n_ops, i, code);
 }
 
 }  // namespace purlin::snac

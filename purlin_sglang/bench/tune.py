@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     worlds, lo, hi, factor, iters, warmup, refine = _DEFAULTS[device]
     worlds = args.worlds or worlds
     iters, warmup = args.iters or iters, warmup if args.warmup is None else args.warmup
-    refine = refine if getattr(args, "refine", None) is None else args.refine
+    refine = refine if args.refine is None else args.refine
     try:
         sizes = size_sweep(args.min_bytes or lo, args.max_bytes or hi, args.factor or factor)
         todo = candidates(device, args.collectives)
