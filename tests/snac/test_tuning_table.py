@@ -202,7 +202,8 @@ def test_an_unreadable_table_is_a_config_error(tmp_path):
 def test_info_shows_the_table_in_force(tmp_path, capsys):
     assert cli.main(["info"]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tuning table:")][0]
-    assert "shipped" in line and "h200-one-gpu.json" in line and "placement one_gpu" in line
+    assert "shipped" in line and "h200-one-gpu.json" in line and "h100-one-gpu.json" in line
+    assert "placement one_gpu" in line
     assert "built-in thresholds" in line  # this machine is not an H200
     cfg = tmp_path / "thresholds.yaml"
     cfg.write_text("tuning:\n  table: thresholds\n")
@@ -216,20 +217,26 @@ def test_info_shows_the_table_in_force(tmp_path, capsys):
     assert path in line and "device cpu" in line and "[2, 4]" in line and "all_reduce" in line
 
 
-def test_the_shipped_h200_table_is_the_default_where_it_was_measured_only():
-    """purlin_sglang/tables/h200-one-gpu.json (measured on the H200 with virtual ranks) ships in the
-    package: with tuning.table unset it steers virtual worlds on an H200 and nothing else;
-    tuning.table: thresholds turns it off."""
+def test_the_shipped_tables_are_the_default_where_they_were_measured_only():
+    """purlin_sglang/tables/ ships two tables, each measured with virtual ranks on one GPU: h100-one-gpu.json
+    (the eleventh session, an H100 80GB HBM3) and h200-one-gpu.json (the seventh, an H200). With
+    tuning.table unset each steers virtual worlds on its own GPU model and nothing else;
+    tuning.table: thresholds turns them off."""
     from purlin_sglang.snac.table import THRESHOLDS, bands_for, shipped_tables
 
     names = [p.rsplit("/", 1)[-1] for p in shipped_tables()]
-    assert names == ["h200-one-gpu.json"]
-    path = shipped_tables()[0]
-    table = load_table(path)
-    assert (table.device, table.engine, table.placement) == ("NVIDIA H200", "cuda", "one_gpu")
-    assert table.worlds == (2, 4, 8)
+    assert names == ["h100-one-gpu.json", "h200-one-gpu.json"]
+    h100, h200 = (load_table(p) for p in shipped_tables())
+    assert (h100.device, h100.engine, h100.placement) == ("NVIDIA H100 80GB HBM3", "cuda", "one_gpu")
+    assert (h200.device, h200.engine, h200.placement) == ("NVIDIA H200", "cuda", "one_gpu")
+    for table in (h100, h200):
+        assert table.worlds == (2, 4, 8)
+        assert set(table.collectives) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+        for world in table.worlds:
+            used = bands_for(None, table.device, "cuda", world, "one_gpu")
+            assert used.path == table.path and used.bands == table.entries[world], (table.device, world)
+            assert used.reason.startswith("shipped ") and table.device in used.reason
     used = bands_for(None, "NVIDIA H200", "cuda", 8, "one_gpu")
-    assert used.path == path and used.bands == table.entries[8] and used.reason.startswith("shipped ")
     # world 8, 1 MiB all_reduce: the measured one-shot band (two-shot by the thresholds)
     assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8,
                             bands=used.bands["all_reduce"]) == "oneshot"
@@ -238,8 +245,16 @@ def test_the_shipped_h200_table_is_the_default_where_it_was_measured_only():
     assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8,
                             bands=used.bands["all_reduce"]) == "packet"
     assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8) == "oneshot"
+    # the H100's world 8: the refined crossover (181 KiB measured between 128 and 256 KiB) keeps 128 KiB on
+    # packets and sends 256 KiB to the one-shot; reduce_scatter keeps packets to 2 MiB of input
+    h100_8 = bands_for(None, "NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu").bands
+    for name, nbytes, algorithm in (("all_reduce", 128 << 10, "packet"), ("all_reduce", 256 << 10, "oneshot"),
+                                    ("all_reduce", 16 << 20, "twoshot"), ("reduce_scatter", 2 << 20, "packet")):
+        assert choose_algorithm(CATALOG[name], nbytes, TuningPolicy(), packets=True, world=8,
+                                bands=h100_8[name]) == algorithm, (name, nbytes)
     for args in (("NVIDIA H200", "cuda", 8, "gpu_per_rank"),  # a process per GPU: NVLink, not HBM
-                 ("NVIDIA H100 80GB HBM3", "cuda", 8, "one_gpu"),
+                 ("NVIDIA H100 80GB HBM3", "cuda", 8, "gpu_per_rank"),
+                 ("NVIDIA H100 PCIe", "cuda", 8, "one_gpu"),  # another model: the name must match
                  ("NVIDIA H200", "cuda", 3, "one_gpu"),
                  ("cpu", "cpu", 2, "one_gpu")):
         used = bands_for(None, *args)
