@@ -42,7 +42,8 @@ class TuningPolicy(BaseModel):
       placement, the world size, the collective), its measured band for the call's size replaces
       the two thresholds above; elsewhere the thresholds decide. Unset (the default): the tables
       shipped in ``purlin_sglang/tables/`` (today two, measured with loopback ranks on an H200 and
-      on an H100 80GB HBM3: each applies to virtual worlds on its own GPU model only); ``"thresholds"``: the thresholds alone.
+      on an H100 80GB HBM3: each applies to virtual worlds on its own GPU model only);
+      ``"thresholds"``: the thresholds alone.
     * ``slots``: staging slots per item, used cyclically (2 = double buffering).
     * ``max_chunk_bytes``: the largest chunk; chunks are otherwise as large as the
       staging budget allows, so small payloads run in a single chunk.
