@@ -15,7 +15,8 @@ int check(const PurlinMoeParams* params) {
   if (params == nullptr) return cudaErrorInvalidValue;
   const PurlinMoeParams& p = *params;
   if (p.world < 1 || p.world > PURLIN_MOE_MAX_RANKS || p.rank < 0 || p.rank >= p.world || p.blocks < 1 ||
-      p.local < 1 || p.local * p.world > PURLIN_MOE_MAX_EXPERTS || p.topk < 1 || p.topk > 32 || p.tokens < 0 ||
+      p.local < 1 || p.local * p.world > PURLIN_MOE_MAX_EXPERTS || p.topk < 1 ||
+      p.topk > purlin::moe::MoeConfig::kMaxTopk || p.tokens < 0 ||
       p.tokens > p.max_tokens || p.capacity < 1 || p.payload_bytes % 16 || p.hdr_bytes % 16 || p.slot_bytes % 16 ||
       p.ret_bytes % 16 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices) {
     return cudaErrorInvalidValue;
@@ -55,6 +56,15 @@ int launch(Kernel k, const PurlinMoeParams* params, void* stream) {
 }  // namespace
 
 PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream) {
+  if (params != nullptr) {
+    const PurlinMoeParams& p = *params;
+    const bool fp8_source = p.x_dtype == PURLIN_DTYPE_BFLOAT16 || p.x_dtype == PURLIN_DTYPE_FLOAT16 ||
+                            p.x_dtype == PURLIN_DTYPE_FLOAT32;
+    if ((p.ids_bytes != 4 && p.ids_bytes != 8) || (p.quant != 0 && p.quant != 1) || (p.quant && !fp8_source) ||
+        (p.tokens > 0 && (p.x == nullptr || p.ids == nullptr || p.out_valid == nullptr))) {
+      return cudaErrorInvalidValue;
+    }
+  }
   return launch(purlin::moe::moe_dispatch_kernel, params, stream);
 }
 

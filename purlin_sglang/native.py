@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -92,9 +92,9 @@ class MoeParams(ctypes.Structure):
         "rank", "world", "blocks", "local", "topk", "tokens", "max_tokens", "capacity", "payload_bytes",
         "hdr_bytes", "slot_bytes", "ret_bytes", "count_off", "count_bytes", "done_off", "recv_off",
         "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
-        "host_error", "x", "scales", "dst", "le", "j", "send_pos", "counts", "tokens_to", "bad_ids", "out_x",
-        "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "expert_out", "row_src", "row_slot",
-        "weights", "y")] + [("dtype", _ll), ("device", _ll)]
+        "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
+        "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
+        "row_src", "row_slot", "valid", "weights", "y")] + [("dtype", _ll), ("device", _ll)]
 
 
 # THE dtype table of Python and C++: native.h's enum purlin_dtype (0 is no type: a copy-only schedule),

@@ -8,14 +8,21 @@
 // an exit counter (the last block to exit stores the epoch); a fatal word (a timed-out wait or a
 // mismatch: later kernels exit at once).
 //
-// dispatch, epoch e, parity e & 1:
-//   put rows   warp per (token, destination rank): header + payload into slot [me][pos] of the
-//              destination's receive region (parity); each token once per rank
+// dispatch, epoch e, parity e & 1 (the caller's x and topk ids go in as they are):
+//   route      every block counts my rows per global expert and my tokens per destination rank
+//              (shared-memory histograms over all ids), and for its own token range, 32 tokens at a
+//              time, warp 0 ranks each (t, k) among my slots of its expert (j, in (t, k) order) and
+//              each token among my tokens sent to a rank (its slot there); FP8: the other warps take
+//              each token's amax, scale = amax / 448 (1 for an all-zero row)
+//   put rows   (token, part of the row) per warp: header + payload into slot [me][pos] of every
+//              destination's receive region (parity), each 16-byte unit read (and quantised) once and
+//              stored to every destination of the token
 //   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
 //              count word [epoch, tokens, meta, rows per its local expert], epoch last (release)
 //   wait       threads 0..world-1 poll my count words of epoch e (bounded by timeout_ns)
-//   expand     warp per received token: one row per slot at le*world*capacity + offset(src, le) + j;
-//              rows with j >= capacity are not written (the overflow is recorded: never silent)
+//   expand     warp per received token: its slot read once, stored to one row per k at
+//              le*world*capacity + offset(src, le) + j; rows with j >= capacity are not written (the
+//              overflow is recorded: never silent)
 // combine, epoch e:
 //   put back   warp per valid row: to slot t*K + k of its source's return region (parity)
 //   notify     the last block writes done[me] = e in every rank's region (release)
@@ -24,6 +31,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -41,6 +49,10 @@ using snac::st_volatile;
 
 struct MoeConfig {
   static constexpr unsigned kThreads = 512;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kChunk = 32;  // tokens routed per step: one per lane of warp 0
+  static constexpr int kMaxTopk = 32;
+  static constexpr float kFp8Max = 448.0f;  // largest finite e4m3
 };
 
 // StateWord and ErrorCode: purlin/encoding.h (exported by purlin_native_layout).
@@ -95,14 +107,15 @@ __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, lon
 __device__ __forceinline__ void warp_copy16(char* dst, const char* src, long long n, int lane) {
   const int4* s = reinterpret_cast<const int4*>(src);
   int4* d = reinterpret_cast<int4*>(dst);
+  constexpr int kUnroll = 8;  // loads in flight per lane
   const long long nv = n >> 4;
   long long i = lane;
-  for (; i + 96 < nv; i += 128) {
-    const int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-    d[i] = a;
-    d[i + 32] = b;
-    d[i + 64] = c;
-    d[i + 96] = e;
+  for (; i + 32 * (kUnroll - 1) < nv; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = s[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
   }
   for (; i < nv; i += 32) d[i] = s[i];
 }
@@ -137,141 +150,6 @@ __device__ __forceinline__ long long meta(const PurlinMoeParams& p) {
   return (p.payload_bytes << 24) | (p.topk << 16) | (p.local << 0);
 }
 
-__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(PurlinMoeParams p) {
-  __shared__ int s_cnt[PURLIN_MOE_MAX_EXPERTS];  // [world][local] rows from each source (raw)
-  __shared__ int s_off[PURLIN_MOE_MAX_EXPERTS];  // [world][local] offset of each source in its group
-  __shared__ int s_tstart[PURLIN_MOE_MAX_RANKS + 1];
-  __shared__ long long s_e;
-  __shared__ int s_flag, s_fail, s_bad;  // s_bad: a producer's rows have another shape (set apart from
-                                         // s_fail so that every branch below reads a flag fixed before a barrier)
-  long long* st = state(p);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  if (tid == 0) {
-    s_e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
-    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s_bad = 0;
-  }
-  __syncthreads();
-  const long long e = s_e;
-  const int par = int(e & 1);
-  const long long W = p.world, K = p.topk, L = p.local, cap = p.capacity;
-  if (s_fail) {
-    finish(st + kDispExit, st + kDispEpoch, e);
-    return;
-  }
-  // put rows
-  const long long items = p.tokens * W;
-  for (long long it = (long long)blockIdx.x * nwarps + warp; it < items; it += (long long)gridDim.x * nwarps) {
-    const long long t = it / W, d = (it % W + p.rank + 1) % W;
-    const long long pos = p.send_pos[t * W + d];
-    if (pos < 0) continue;
-    char* slot = static_cast<char*>(p.bases[d]) + p.recv_off + par * p.recv_parity_bytes +
-                 (p.rank * p.max_tokens + pos) * p.slot_bytes;
-    int* h = reinterpret_cast<int*>(slot);
-    if (lane == 0) {
-      h[0] = int(t);
-      h[1 + 2 * K] = __float_as_int(p.scales != nullptr ? p.scales[t] : 1.0f);
-    }
-    if (lane < K) {
-      const bool mine = p.dst[t * K + lane] == d;
-      h[1 + lane] = mine ? int(p.le[t * K + lane]) : -1;
-      h[1 + K + lane] = mine ? int(p.j[t * K + lane]) : -1;
-    }
-    warp_copy16(slot + p.hdr_bytes, static_cast<const char*>(p.x) + t * p.payload_bytes, p.payload_bytes, lane);
-  }
-  // notify: my count word to every rank, every call
-  if (arrive_last(st + kDispArrive, e, &s_flag)) {
-    for (long long i = tid; i < W * (L + 2); i += blockDim.x) {
-      const long long d = i / (L + 2), c = i % (L + 2);
-      long long* cw = count_word(p, d, par, p.rank);
-      if (c == 0) cw[1] = p.tokens_to[d];
-      else if (c == 1) cw[2] = meta(p);
-      else reinterpret_cast<int*>(cw + 3)[c - 2] = int(p.counts[d * L + c - 2]);
-    }
-    __syncthreads();
-    if (tid < W) {
-      __threadfence_system();
-      st_release_sys(count_word(p, tid, par, p.rank), e);
-    }
-  }
-  // wait for every producer's count word of this epoch
-  if (tid < W && !wait_ge(p, count_word(p, p.rank, par, tid), e, 0, tid)) s_fail = 1;
-  __syncthreads();
-  if (!s_fail) {
-    if (tid < W) {
-      const long long* cw = count_word(p, p.rank, par, tid);
-      if (cw[2] != meta(p)) {
-        record(p, kMismatch, 0, tid, -1, cw[2], meta(p), e, 0, true);
-        s_bad = 1;
-      }
-      s_tstart[tid + 1] = int(cw[1]);
-    }
-    for (long long i = tid; i < W * L; i += blockDim.x) {
-      const long long q = i / L, c = i % L;
-      s_cnt[i] = reinterpret_cast<const int*>(count_word(p, p.rank, par, q) + 3)[c];
-    }
-    __syncthreads();
-  }
-  if (!s_fail && !s_bad) {
-    for (long long le = tid; le < L; le += blockDim.x) {
-      int acc = 0;
-      for (long long q = 0; q < W; ++q) {
-        s_off[q * L + le] = acc;
-        acc += min(s_cnt[q * L + le], int(cap));
-      }
-    }
-    if (tid == 0) {
-      s_tstart[0] = 0;
-      for (long long q = 0; q < W; ++q) s_tstart[q + 1] += s_tstart[q];
-    }
-    __syncthreads();
-    if (blockIdx.x == 0) {
-      for (long long i = tid; i < W * L; i += blockDim.x) {
-        if (s_cnt[i] > cap) record(p, kOverflow, 0, i / L, p.rank * L + i % L, s_cnt[i], cap, e, 0, false);
-      }
-      if (tid == 0 && p.bad_ids != nullptr && *p.bad_ids > 0) record(p, kBadIds, 0, -1, -1, *p.bad_ids, 0, e, 0, false);
-      for (long long le = tid; le < L; le += blockDim.x) {
-        p.out_counts[le] = s_off[(W - 1) * L + le] + min(s_cnt[(W - 1) * L + le], int(cap));
-      }
-    }
-    // expand: a warp per received token, one row per slot routed here
-    const long long n_recv = s_tstart[W];
-    char* recv = own(p) + p.recv_off + par * p.recv_parity_bytes;
-    for (long long g = (long long)blockIdx.x * nwarps + warp; g < n_recv; g += (long long)gridDim.x * nwarps) {
-      int q = 0;
-      while (s_tstart[q + 1] <= g) ++q;
-      const char* slot = recv + (q * p.max_tokens + (g - s_tstart[q])) * p.slot_bytes;
-      const int* h = reinterpret_cast<const int*>(slot);
-      const long long t = h[0];
-      const float sc = __int_as_float(h[1 + 2 * K]);
-      for (long long k = 0; k < K; ++k) {
-        const int le = h[1 + k], jj = h[1 + K + k];
-        if (le < 0 || jj >= cap) continue;
-        const long long row = le * W * cap + s_off[q * L + le] + jj;
-        warp_copy16(static_cast<char*>(p.out_x) + row * p.payload_bytes, slot + p.hdr_bytes, p.payload_bytes, lane);
-        if (lane == 0) {
-          p.out_expert[row] = le;
-          p.out_src[row] = q;
-          p.out_slot[row] = t * K + k;
-          if (p.out_scales != nullptr) p.out_scales[row] = sc;
-        }
-      }
-    }
-    // padding rows: expert -1
-    const long long rows = L * W * cap;
-    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
-      const long long le = r / (W * cap), pos = r % (W * cap);
-      if (pos >= s_off[(W - 1) * L + le] + min(s_cnt[(W - 1) * L + le], int(cap))) {
-        p.out_expert[r] = -1;
-        p.out_src[r] = -1;
-        p.out_slot[r] = -1;
-        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
-      }
-    }
-  }
-  finish(st + kDispExit, st + kDispEpoch, e);
-}
-
 template <class T>
 __device__ __forceinline__ float to_f(T v);
 template <>
@@ -289,10 +167,405 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 template <>
 __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
+// ---- dispatch: routing ---------------------------------------------------------------------------------
+
+// The dispatch kernel's shared memory (static, under 48 KiB). The route's arrays are reused once the
+// rows are put: cnt / pre as the received count matrix and its offsets, the chunk's arrays as row lists.
+struct DispatchShared {
+  int cnt[PURLIN_MOE_MAX_EXPERTS];  // route: my rows per global expert; expand: rows from [q][le]
+  int pre[PURLIN_MOE_MAX_EXPERTS];  // route: my rows per expert before the chunk; expand: offset of [q][le]
+  int tok[PURLIN_MOE_MAX_RANKS];    // my tokens per destination rank
+  int tpre[PURLIN_MOE_MAX_RANKS];   // ... before the chunk
+  int tstart[PURLIN_MOE_MAX_RANKS + 1];
+  union {
+    struct {
+      int j[MoeConfig::kChunk * MoeConfig::kMaxTopk];     // j of the chunk's slots, -1: skipped
+      int pos[MoeConfig::kChunk * PURLIN_MOE_MAX_RANKS];  // slot of (chunk token, rank) there
+    } route;
+    long long rows[MoeConfig::kWarps][MoeConfig::kMaxTopk];  // expand: each warp's rows of its token
+  } u;
+  unsigned long long mask[MoeConfig::kChunk];  // destination ranks of each chunk token
+  float scale[MoeConfig::kChunk];
+  long long e;
+  int flag, fail, bad, nbad;
+};
+
+__device__ __forceinline__ long long load_id(const PurlinMoeParams& p, long long i) {
+  return p.ids_bytes == 4 ? static_cast<long long>(static_cast<const int*>(p.ids)[i])
+                          : static_cast<const long long*>(p.ids)[i];
+}
+
+// The ranks that own one of token t's experts (bit d: rank d).
+__device__ __forceinline__ unsigned long long token_mask(const PurlinMoeParams& p, long long t, long long E) {
+  unsigned long long m = 0;
+  for (long long k = 0; k < p.topk; ++k) {
+    const long long id = load_id(p, t * p.topk + k);
+    if (id >= 0 && id < E) m |= 1ull << (id / p.local);
+  }
+  return m;
+}
+
+// Every block: my rows per global expert (cnt), per expert those of tokens before t0 (pre), my tokens
+// per destination rank (tok) and those before t0 (tpre), ids outside [-1, E) (nbad). Histograms with
+// shared atomics: counts do not depend on the order.
+__device__ inline void route_counts(const PurlinMoeParams& p, DispatchShared& s, long long t0, long long E) {
+  const int tid = threadIdx.x;
+  for (long long i = tid; i < E; i += blockDim.x) s.cnt[i] = s.pre[i] = 0;
+  for (long long i = tid; i < p.world; i += blockDim.x) s.tok[i] = s.tpre[i] = 0;
+  if (tid == 0) s.nbad = 0;
+  __syncthreads();
+  const long long K = p.topk, slots = p.tokens * K;
+  for (long long i = tid; i < slots; i += blockDim.x) {
+    const long long id = load_id(p, i);
+    if (id >= 0 && id < E) {
+      atomicAdd(&s.cnt[id], 1);
+      if (i < t0 * K) atomicAdd(&s.pre[id], 1);
+    } else if (id != -1) {
+      atomicAdd(&s.nbad, 1);
+    }
+  }
+  for (long long t = tid; t < p.tokens; t += blockDim.x) {
+    for (unsigned long long m = token_mask(p, t, E); m; m &= m - 1) {
+      const int d = __ffsll(static_cast<long long>(m)) - 1;
+      atomicAdd(&s.tok[d], 1);
+      if (t < t0) atomicAdd(&s.tpre[d], 1);
+    }
+  }
+  __syncthreads();
+}
+
+// Warp 0: j of every slot of tokens [c0, c0 + n) (its rank among my slots of the same expert, in (t, k)
+// order) and the slot of each (token, destination) there (its rank among my tokens sent to that rank);
+// advances pre and tpre past the chunk. Also writes out_valid.
+__device__ inline void route_chunk(const PurlinMoeParams& p, DispatchShared& s, long long c0, int n, int lane,
+                                   long long E) {
+  const unsigned full = 0xffffffffu, below = (1u << lane) - 1u;
+  const long long K = p.topk, begin = c0 * K, end = (c0 + n) * K;
+  for (long long s0 = begin; s0 < end; s0 += 32) {
+    const long long i = s0 + lane;
+    const bool in = i < end;
+    const long long id = in ? load_id(p, i) : -1;
+    const bool valid = in && id >= 0 && id < E;
+    const unsigned peers = __match_any_sync(full, valid ? int(id) : -2 - lane);
+    const int base = valid ? s.pre[id] : 0;
+    __syncwarp();
+    if (valid && (peers >> lane) == 1u) s.pre[id] = base + __popc(peers);  // the group's highest lane
+    __syncwarp();
+    if (in) {
+      s.u.route.j[i - begin] = valid ? base + __popc(peers & below) : -1;
+      p.out_valid[i] = valid ? 1 : 0;
+    }
+  }
+  const unsigned long long m = lane < n ? token_mask(p, c0 + lane, E) : 0ull;
+  if (lane < n) s.mask[lane] = m;
+  for (int d = 0; d < p.world; ++d) {
+    const bool hit = (m >> d) & 1ull;
+    const unsigned bal = __ballot_sync(full, hit);
+    const int base = s.tpre[d];
+    if (hit) s.u.route.pos[lane * p.world + d] = base + __popc(bal & below);
+    __syncwarp();
+    if (lane == 0) s.tpre[d] = base + __popc(bal);
+    __syncwarp();
+  }
+}
+
+// ---- dispatch: rows on the wire ------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ float row_amax(const T* row, long long hidden, int lane) {
+  constexpr int kVec = 16 / sizeof(T);
+  float m = 0.0f;
+  const int4* v = reinterpret_cast<const int4*>(row);
+  for (long long i = lane; i < hidden / kVec; i += 32) {
+    const int4 raw = v[i];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) m = fmaxf(m, fabsf(to_f<T>(e[k])));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+
+// Unit u (16 bytes on the wire) of token t's row: the input's bytes, or 16 elements quantised to FP8
+// (x / scale, rounded to nearest, saturating: bitwise the CPU engine's quantize_fp8).
+template <class T>
+__device__ __forceinline__ int4 fp8_unit(const T* row, long long u, float scale) {
+  constexpr int kIn = 16 * sizeof(T) / 16;  // int4 loads per 16 elements
+  int4 raw[kIn];
+  const int4* src = reinterpret_cast<const int4*>(row) + u * kIn;
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) raw[i] = src[i];
+  const T* e = reinterpret_cast<const T*>(raw);
+  int4 out;
+  unsigned char* o = reinterpret_cast<unsigned char*>(&out);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) o[k] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f<T>(e[k]), scale), __NV_SATFINITE, __NV_E4M3);
+  return out;
+}
+
+__device__ __forceinline__ int4 wire_unit(const PurlinMoeParams& p, long long t, long long u, float scale) {
+  const char* x = static_cast<const char*>(p.x);
+  if (!p.quant) return reinterpret_cast<const int4*>(x + t * p.payload_bytes)[u];
+  const long long hidden = p.payload_bytes;  // FP8: one byte per element
+  switch (p.x_dtype) {
+    case PURLIN_DTYPE_BFLOAT16:
+      return fp8_unit(reinterpret_cast<const __nv_bfloat16*>(x) + t * hidden, u, scale);
+    case PURLIN_DTYPE_FLOAT16: return fp8_unit(reinterpret_cast<const __half*>(x) + t * hidden, u, scale);
+    default: return fp8_unit(reinterpret_cast<const float*>(x) + t * hidden, u, scale);
+  }
+}
+
+__device__ __forceinline__ float token_scale(const PurlinMoeParams& p, long long t, int lane) {
+  const long long hidden = p.payload_bytes;
+  const char* x = static_cast<const char*>(p.x);
+  float amax;
+  switch (p.x_dtype) {
+    case PURLIN_DTYPE_BFLOAT16:
+      amax = row_amax(reinterpret_cast<const __nv_bfloat16*>(x) + t * hidden, hidden, lane);
+      break;
+    case PURLIN_DTYPE_FLOAT16: amax = row_amax(reinterpret_cast<const __half*>(x) + t * hidden, hidden, lane); break;
+    default: amax = row_amax(reinterpret_cast<const float*>(x) + t * hidden, hidden, lane); break;
+  }
+  return amax > 0.0f ? __fdiv_rn(amax, MoeConfig::kFp8Max) : 1.0f;
+}
+
+// My slot base in rank d's receive region for the chunk token tt (rows go to [me][pos]).
+__device__ __forceinline__ char* recv_slot(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt,
+                                           int d) {
+  return static_cast<char*>(p.bases[d]) + p.recv_off + par * p.recv_parity_bytes +
+         (p.rank * p.max_tokens + s.u.route.pos[tt * p.world + d]) * p.slot_bytes;
+}
+
+// The destination ranks of a token, rotated to start at rank me + 1 (bit b: rank (b + me + 1) % W), so
+// that the ranks do not all write to one peer at once.
+__device__ __forceinline__ unsigned long long rotated(unsigned long long m, long long me, long long W) {
+  const long long sh = (me + 1) % W;
+  const unsigned long long all = W == 64 ? ~0ull : ((1ull << W) - 1ull);
+  return sh == 0 ? m : (((m >> sh) | (m << (W - sh))) & all);
+}
+
+// Warp: the header of chunk token tt (token t) in each of its destinations.
+__device__ inline void put_header(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
+                                  long long E, int lane) {
+  const long long K = p.topk;
+  const long long id = lane < K ? load_id(p, t * K + lane) : -1;
+  const bool valid = id >= 0 && id < E;
+  for (unsigned long long m = s.mask[tt]; m; m &= m - 1) {
+    const int d = __ffsll(static_cast<long long>(m)) - 1;
+    int* h = reinterpret_cast<int*>(recv_slot(p, s, par, tt, d));
+    if (lane == 0) {
+      h[0] = int(t);
+      h[1 + 2 * K] = __float_as_int(p.quant ? s.scale[tt] : 1.0f);
+    }
+    if (lane < K) {
+      const bool mine = valid && id / p.local == d;
+      h[1 + lane] = mine ? int(id % p.local) : -1;
+      h[1 + K + lane] = mine ? s.u.route.j[tt * K + lane] : -1;
+    }
+  }
+}
+
+// Warp: units [u0, u1) of chunk token tt's payload to each of its destinations, each unit read once.
+__device__ inline void put_units(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
+                                 long long u0, long long u1, int lane) {
+  const unsigned long long rot = rotated(s.mask[tt], p.rank, p.world);
+  const float scale = p.quant ? s.scale[tt] : 1.0f;
+  constexpr int kUnroll = 4;
+  for (long long u = u0 + lane; u < u1; u += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, scale);
+    }
+    for (unsigned long long m = rot; m; m &= m - 1) {
+      const int d = int((__ffsll(static_cast<long long>(m)) - 1 + p.rank + 1) % p.world);
+      int4* dst = reinterpret_cast<int4*>(recv_slot(p, s, par, tt, d) + p.hdr_bytes);
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        if (u + 32 * i < u1) dst[u + 32 * i] = v[i];
+      }
+    }
+  }
+}
+
+// Every warp: route and put the rows of this block's tokens [t0, t1), kChunk tokens at a time.
+__device__ inline void put_rows(const PurlinMoeParams& p, DispatchShared& s, int par, long long t0, long long t1,
+                                long long E) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const long long units = p.payload_bytes / 16;
+  for (long long c0 = t0; c0 < t1; c0 += MoeConfig::kChunk) {
+    const int n = int(min(static_cast<long long>(MoeConfig::kChunk), t1 - c0));
+    if (warp == 0) {
+      route_chunk(p, s, c0, n, lane, E);
+    } else if (p.quant) {
+      for (int tt = warp - 1; tt < n; tt += nwarps - 1) {
+        const float sc = token_scale(p, c0 + tt, lane);
+        if (lane == 0) s.scale[tt] = sc;
+      }
+    }
+    __syncthreads();
+    // (token, part) items: a token's row is split so that every warp has work when the chunk is short
+    const int parts = max(1, nwarps / n);
+    const long long per = (units + parts - 1) / parts;
+    for (int it = warp; it < n * parts; it += nwarps) {
+      const int tt = it / parts, part = it % parts;
+      if (part == 0) put_header(p, s, par, tt, c0 + tt, E, lane);
+      put_units(p, s, par, tt, c0 + tt, part * per, min(units, (part + 1) * per), lane);
+    }
+    __syncthreads();
+  }
+}
+
+// ---- dispatch: expand ----------------------------------------------------------------------------------
+
+// Warp: received token g of producer q (its slot read once) to one row per k routed here.
+__device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s, const char* slot, int q, int lane,
+                                    int warp) {
+  const long long K = p.topk, W = p.world, cap = p.capacity, L = p.local;
+  const int* h = reinterpret_cast<const int*>(slot);
+  long long row = -1;
+  int le = -1;
+  if (lane < K) {
+    le = h[1 + lane];
+    const int jj = h[1 + K + lane];
+    if (le >= 0 && jj < cap) row = le * W * cap + s.pre[q * L + le] + jj;
+  }
+  const unsigned bal = __ballot_sync(0xffffffffu, row >= 0);
+  const int nrows = __popc(bal);
+  if (row >= 0) {
+    s.u.rows[warp][__popc(bal & ((1u << lane) - 1u))] = row;
+    p.out_expert[row] = le;
+    p.out_src[row] = q;
+    p.out_slot[row] = static_cast<long long>(h[0]) * K + lane;
+    if (p.out_scales != nullptr) p.out_scales[row] = __int_as_float(h[1 + 2 * K]);
+  }
+  __syncwarp();
+  const int4* src = reinterpret_cast<const int4*>(slot + p.hdr_bytes);
+  int4* out = static_cast<int4*>(p.out_x);
+  const long long units = p.payload_bytes / 16;
+  constexpr int kUnroll = 4;
+  for (long long u = lane; u < units; u += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      if (u + 32 * i < units) v[i] = src[u + 32 * i];
+    }
+    for (int r = 0; r < nrows; ++r) {
+      int4* dst = out + s.u.rows[warp][r] * units;
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        if (u + 32 * i < units) dst[u + 32 * i] = v[i];
+      }
+    }
+  }
+  __syncwarp();
+}
+
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(PurlinMoeParams p) {
+  __shared__ DispatchShared s;
+  long long* st = state(p);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  if (tid == 0) {
+    s.e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
+    s.fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s.bad = 0;
+  }
+  __syncthreads();
+  const long long e = s.e;
+  const int par = int(e & 1);
+  const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
+  if (s.fail) {
+    finish(st + kDispExit, st + kDispEpoch, e);
+    return;
+  }
+  // route + put rows: this block's tokens
+  const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
+  route_counts(p, s, t0, E);
+  put_rows(p, s, par, t0, t1, E);
+  // notify: my count word to every rank, every call
+  if (arrive_last(st + kDispArrive, e, &s.flag)) {
+    for (long long i = tid; i < W * (L + 2); i += blockDim.x) {
+      const long long d = i / (L + 2), c = i % (L + 2);
+      long long* cw = count_word(p, d, par, p.rank);
+      if (c == 0) cw[1] = s.tok[d];
+      else if (c == 1) cw[2] = meta(p);
+      else reinterpret_cast<int*>(cw + 3)[c - 2] = s.cnt[d * L + c - 2];
+    }
+    __syncthreads();
+    if (tid < W) {
+      __threadfence_system();
+      st_release_sys(count_word(p, tid, par, p.rank), e);
+    }
+  }
+  __syncthreads();  // cnt is read above before it is overwritten below
+  // wait for every producer's count word of this epoch
+  if (tid < W && !wait_ge(p, count_word(p, p.rank, par, tid), e, 0, tid)) s.fail = 1;
+  __syncthreads();
+  if (!s.fail) {
+    if (tid < W) {
+      const long long* cw = count_word(p, p.rank, par, tid);
+      if (cw[2] != meta(p)) {
+        record(p, kMismatch, 0, tid, -1, cw[2], meta(p), e, 0, true);
+        s.bad = 1;
+      }
+      s.tstart[tid + 1] = int(cw[1]);
+    }
+    for (long long i = tid; i < W * L; i += blockDim.x) {
+      const long long q = i / L, c = i % L;
+      s.cnt[i] = reinterpret_cast<const int*>(count_word(p, p.rank, par, q) + 3)[c];
+    }
+    __syncthreads();
+  }
+  if (!s.fail && !s.bad) {
+    for (long long le = tid; le < L; le += blockDim.x) {  // pre becomes the offset of each source in a group
+      int acc = 0;
+      for (long long q = 0; q < W; ++q) {
+        s.pre[q * L + le] = acc;
+        acc += min(s.cnt[q * L + le], int(cap));
+      }
+    }
+    if (tid == 0) {
+      s.tstart[0] = 0;
+      for (long long q = 0; q < W; ++q) s.tstart[q + 1] += s.tstart[q];
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      for (long long i = tid; i < W * L; i += blockDim.x) {
+        if (s.cnt[i] > cap) record(p, kOverflow, 0, i / L, p.rank * L + i % L, s.cnt[i], cap, e, 0, false);
+      }
+      if (tid == 0 && s.nbad > 0) record(p, kBadIds, 0, -1, -1, s.nbad, 0, e, 0, false);
+      for (long long le = tid; le < L; le += blockDim.x) {
+        p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
+      }
+    }
+    // expand: a warp per received token
+    const long long n_recv = s.tstart[W];
+    const char* recv = own(p) + p.recv_off + par * p.recv_parity_bytes;
+    for (long long g = (long long)blockIdx.x * nwarps + warp; g < n_recv; g += (long long)gridDim.x * nwarps) {
+      int q = 0;
+      while (s.tstart[q + 1] <= g) ++q;
+      expand_token(p, s, recv + (q * p.max_tokens + (g - s.tstart[q])) * p.slot_bytes, q, lane, warp);
+    }
+    // padding rows: expert -1
+    const long long rows = L * W * cap;
+    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
+      const long long le = r / (W * cap), pos = r % (W * cap);
+      if (pos >= s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap))) {
+        p.out_expert[r] = -1;
+        p.out_src[r] = -1;
+        p.out_slot[r] = -1;
+        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
+      }
+    }
+  }
+  finish(st + kDispExit, st + kDispEpoch, e);
+}
+
 // y[t] 16-byte chunk c: float32 sum over k in order, products and sums rounded separately (no FMA).
 template <class T>
 __device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
-  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVec = 16 / sizeof(T), kLoads = 8;
   const long long chunks = p.ret_bytes / 16, K = p.topk;
   const long long items = p.tokens * chunks;
   for (long long it = (long long)blockIdx.x * blockDim.x + threadIdx.x; it < items;
@@ -301,13 +574,26 @@ __device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
     float acc[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
-    for (long long k = 0; k < K; ++k) {
-      if (p.dst[t * K + k] < 0) continue;
-      const float w = p.weights[t * K + k];
-      const int4 raw = *reinterpret_cast<const int4*>(ret + (t * K + k) * p.ret_bytes + c * 16);
-      const T* v = reinterpret_cast<const T*>(&raw);
+    for (long long k0 = 0; k0 < K; k0 += kLoads) {  // kLoads loads in flight, then the sums in k order
+      int4 raw[kLoads];
+      float w[kLoads];
+      bool ok[kLoads];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, to_f<T>(v[i])));
+      for (int u = 0; u < kLoads; ++u) {
+        const long long k = k0 + u;
+        ok[u] = k < K && p.valid[t * K + k];
+        if (ok[u]) {
+          w[u] = p.weights[t * K + k];
+          raw[u] = *reinterpret_cast<const int4*>(ret + (t * K + k) * p.ret_bytes + c * 16);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (!ok[u]) continue;
+        const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[u], to_f<T>(v[i])));
+      }
     }
     int4 out;
     T* o = reinterpret_cast<T*>(&out);
@@ -317,11 +603,49 @@ __device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
   }
 }
 
+// Put back: every valid row to slot t*K + k of its source. Each block takes a contiguous range of rows,
+// kThreads at a time: their sources are read at once (one per thread) and the valid rows listed in shared
+// memory; then the warps copy the listed rows, each row split into parts when there are fewer rows than
+// warps (decode: a few valid rows among many padding rows).
+__device__ inline void put_back(const PurlinMoeParams& p, int par, int* s_rows, int* s_wcnt) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const long long rows = p.local * p.world * p.capacity;
+  const long long per = (rows + gridDim.x - 1) / gridDim.x;
+  const long long begin = blockIdx.x * per, end = min(rows, begin + per);
+  const long long units = p.ret_bytes / 16;
+  for (long long base = begin; base < end; base += blockDim.x) {
+    const long long r = base + tid;
+    const bool ok = r < end && p.row_src[r] >= 0;
+    const unsigned bal = __ballot_sync(0xffffffffu, ok);
+    if (lane == 0) s_wcnt[warp] = __popc(bal);
+    __syncthreads();
+    int off = 0, total = 0;
+    for (int w = 0; w < nwarps; ++w) {
+      off += w < warp ? s_wcnt[w] : 0;
+      total += s_wcnt[w];
+    }
+    if (ok) s_rows[off + __popc(bal & ((1u << lane) - 1u))] = int(r - base);
+    __syncthreads();
+    const int parts = total > 0 ? max(1, nwarps / total) : 1;
+    const long long chunk = (units + parts - 1) / parts;
+    for (int it = warp; it < total * parts; it += nwarps) {
+      const long long row = base + s_rows[it / parts], u0 = (it % parts) * chunk, u1 = min(units, u0 + chunk);
+      if (u0 >= u1) continue;
+      char* dst = static_cast<char*>(p.bases[p.row_src[row]]) + p.ret_off + par * p.ret_parity_bytes +
+                  p.row_slot[row] * p.ret_bytes;
+      warp_copy16(dst + u0 * 16, static_cast<const char*>(p.expert_out) + row * p.ret_bytes + u0 * 16,
+                  (u1 - u0) * 16, lane);
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(PurlinMoeParams p) {
   __shared__ long long s_e;
   __shared__ int s_flag, s_fail;
+  __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps];
   long long* st = state(p);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int tid = threadIdx.x;
   if (tid == 0) {
     s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
     s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
@@ -334,14 +658,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
     finish(st + kCombExit, st + kCombEpoch, e);
     return;
   }
-  // put back: every valid row to slot t*K + k of its source
-  const long long rows = p.local * W * p.capacity;
-  for (long long r = (long long)blockIdx.x * nwarps + warp; r < rows; r += (long long)gridDim.x * nwarps) {
-    const int q = p.row_src[r];
-    if (q < 0) continue;
-    char* dst = static_cast<char*>(p.bases[q]) + p.ret_off + par * p.ret_parity_bytes + p.row_slot[r] * p.ret_bytes;
-    warp_copy16(dst, static_cast<const char*>(p.expert_out) + r * p.ret_bytes, p.ret_bytes, lane);
-  }
+  put_back(p, par, s_rows, s_wcnt);
   if (arrive_last(st + kCombArrive, e, &s_flag) && tid < W) {
     __threadfence_system();
     st_release_sys(reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8), e);

@@ -1,7 +1,7 @@
-"""The CUDA engine's MoE: the routing prologue as device ops, then one kernel per call.
+"""The CUDA engine's MoE: one kernel per call.
 
-Dispatch: ``route`` (histogram + scan, FP8 quantisation) on the caller's stream, then the
-dispatch kernel (native/moe/moe_kernel.cuh: put rows, count words, wait, expand). Combine: the
+Dispatch: one kernel (native/moe/moe_kernel.cuh: route and FP8 quantisation in the kernel, put rows,
+count words, wait, expand) over the caller's x and topk ids as they are. Combine: the
 combine kernel (put back, done words, wait, weighted reduce). Nothing blocks the host in graph
 mode; every wait is bounded by ``timeout_s``.
 
@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
 from ..moe.dispatch import MoEDispatch
-from ..moe.routing import quantize_fp8, route, send_positions
+from ..moe.routing import expert_counts
 from ..moe.validate import check_id_range
 from .cpu_moe import dtype_code, exchange_header, overflow, reject
 
@@ -85,10 +85,10 @@ class SharedRegions:
 class _State:
     """What a dispatch leaves for its combine (kept alive with the MoEDispatch)."""
 
-    __slots__ = ("dst", "src", "slot", "rows", "cap", "index")
+    __slots__ = ("valid", "src", "slot", "rows", "cap", "index")
 
-    def __init__(self, dst, src, slot, rows, cap, index):
-        self.dst, self.src, self.slot, self.rows, self.cap, self.index = dst, src, slot, rows, cap, index
+    def __init__(self, valid, src, slot, rows, cap, index):
+        self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
 
 
 class CudaMoE:
@@ -278,12 +278,11 @@ class CudaMoE:
         world, local = self.world, num_experts // self.world
         t_n, k_n = ids.shape
         hidden = x.shape[1]
-        r = route(ids, num_experts, world)
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
             exchange_header(self.comm, op, (num_experts, k_n, hidden, dtype_code(x.dtype), int(quant == "fp8"),
                                             capacity or 0), t_n, self._to_device, self._to_host)
-            matrix = self._to_host(self.comm.all_gather(r.counts)).view(world, num_experts)
+            matrix = self._to_host(self.comm.all_gather(expert_counts(ids, num_experts))).view(world, num_experts)
             if capacity is not None:
                 err = overflow(_PlanLike(capacity, local), matrix)
                 if err is not None:
@@ -295,37 +294,34 @@ class CudaMoE:
         elif cap is None:
             cap = self.max_tokens
         layout = self._region(k_n, payload_bytes, hidden * x.element_size(), capturing)
-        payload, scales = quantize_fp8(x) if quant == "fp8" else (x, None)
-        if payload.data_ptr() % 16:  # a view at an odd offset: the kernel moves 16-byte vectors
-            payload = payload.clone()
+        x = x.contiguous()
+        x = x if x.data_ptr() % 16 == 0 else x.clone()  # a view at an odd offset: the kernel moves 16-byte vectors
+        ids = ids.contiguous()
         dev = self.device
         rows = local * world * cap
-        out_x = torch.empty(rows, hidden, dtype=payload.dtype, device=dev)
+        fp8 = quant == "fp8"
+        out_x = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=dev)
         out_expert = torch.empty(rows, dtype=torch.int32, device=dev)
         out_src = torch.empty(rows, dtype=torch.int32, device=dev)
         out_slot = torch.empty(rows, dtype=torch.int64, device=dev)
         out_counts = torch.empty(local, dtype=torch.int32, device=dev)
-        out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if scales is not None else None
-        send_pos = send_positions(r.to_rank)
-        bad = ((ids < -1) | (ids >= num_experts)).sum().reshape(1) if capturing else None
-        le, j = r.le.contiguous(), r.j.contiguous()
+        out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if fp8 else None
+        valid = torch.empty(t_n, k_n, dtype=torch.bool, device=dev)
         p = self._params(layout)
         p.local, p.topk, p.tokens, p.capacity = local, k_n, t_n, cap
         p.payload_bytes, p.hdr_bytes = payload_bytes, header_bytes(k_n)
         p.slot_bytes = p.hdr_bytes + payload_bytes
-        p.x, p.scales = payload.data_ptr(), (scales.data_ptr() if scales is not None else None)
-        p.dst, p.le, p.j, p.send_pos = r.dst.data_ptr(), le.data_ptr(), j.data_ptr(), send_pos.data_ptr()
-        p.counts, p.tokens_to = r.counts.data_ptr(), r.tokens_to.data_ptr()
-        p.bad_ids = bad.data_ptr() if bad is not None else None
+        p.x, p.ids, p.ids_bytes = x.data_ptr(), ids.data_ptr(), ids.element_size()
+        p.x_dtype, p.quant = native.DTYPE_CODES.get(str(x.dtype).removeprefix("torch."), 0), int(fp8)
         p.out_x, p.out_expert, p.out_src, p.out_slot = (out_x.data_ptr(), out_expert.data_ptr(), out_src.data_ptr(),
                                                         out_slot.data_ptr())
-        p.out_counts = out_counts.data_ptr()
+        p.out_counts, p.out_valid = out_counts.data_ptr(), valid.data_ptr()
         p.out_scales = out_scales.data_ptr() if out_scales is not None else None
         if rows_exact is not None:  # exact rows: the valid rows of each group, known from the counts
             index = torch.cat([torch.arange(e * world * cap, e * world * cap + int(n), dtype=torch.int64, device=dev)
                                for e, n in enumerate(rows_exact.tolist())])  # made on the device: no copy
         self._launch(self.lib.moe_dispatch, p, op)
-        state = _State(r.dst, out_src, out_slot, rows, cap, index)
+        state = _State(valid, out_src, out_slot, rows, cap, index)
         d_x, d_expert, d_src, d_slot, d_scales = out_x, out_expert, out_src, out_slot, out_scales
         if index is not None:
             d_x, d_expert, d_src, d_slot = out_x[index], out_expert[index], out_src[index], out_slot[index]
@@ -333,7 +329,8 @@ class CudaMoE:
         return MoEDispatch(
             x=d_x, expert=d_expert, counts=out_counts, scales=d_scales, src_rank=d_src, src_slot=d_slot, tokens=t_n,
             topk=k_n, hidden=hidden, num_experts=num_experts, capacity=None if rows_exact is not None else cap,
-            weights=ws.to(torch.float32).contiguous(), valid=r.valid, _engine=state, _owner=id(self.comm))
+            weights=ws if ws.dtype == torch.float32 and ws.is_contiguous() else ws.to(torch.float32).contiguous(),
+            valid=valid, _engine=state, _owner=id(self.comm))
 
     def combine(self, expert_out, d: MoEDispatch) -> torch.Tensor:
         self.check(fatal_only=True)
@@ -356,7 +353,7 @@ class CudaMoE:
         p.local, p.topk, p.tokens, p.capacity = d.num_experts // self.world, d.topk, d.tokens, st.cap
         p.ret_bytes, p.dtype = ret_bytes, _CODES[expert_out.dtype]
         p.expert_out, p.row_src, p.row_slot = full.data_ptr(), st.src.data_ptr(), st.slot.data_ptr()
-        p.weights, p.dst, p.y = d.weights.data_ptr(), st.dst.data_ptr(), y.data_ptr()
+        p.weights, p.valid, p.y = d.weights.data_ptr(), st.valid.data_ptr(), y.data_ptr()
         self._launch(self.lib.moe_combine, p, op)
         if not capturing_now():
             self.check()  # an overflow or bad ids recorded by an earlier dispatch: every rank ran this call

@@ -39,8 +39,7 @@ def route(ids: torch.Tensor, num_experts: int, world: int) -> Route:
     dst = torch.where(valid, ids // local, -1)
     le = torch.where(valid, ids % local, -1)
     g = torch.where(valid, ids, num_experts).reshape(-1)
-    counts_ext = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    counts_ext.scatter_add_(0, g, torch.ones_like(g))  # the histogram (bincount would sync on CUDA)
+    counts_ext = _histogram(g, num_experts)
     starts = torch.cumsum(counts_ext, 0) - counts_ext
     order = torch.argsort(g, stable=True)
     pos = torch.empty_like(order)
@@ -52,6 +51,19 @@ def route(ids: torch.Tensor, num_experts: int, world: int) -> Route:
     d_of = torch.where(valid, dst, world).reshape(-1)
     slots = torch.zeros(world + 1, dtype=torch.int64, device=dev).scatter_add_(0, d_of, torch.ones_like(d_of))
     return Route(dst, le, j, valid, counts_ext[:num_experts], to_rank, to_rank.sum(0), slots[:world])
+
+
+def _histogram(g: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E + 1] int64 counts of the flat ids ``g`` (skipped slots mapped to E); bincount would sync on CUDA."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=g.device)
+    return counts.scatter_add_(0, g, torch.ones_like(g))
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: rows per global expert (slots with ids outside [0, E) skipped); device ops, no sync."""
+    ids = ids.to(torch.int64).reshape(-1)
+    g = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    return _histogram(g, num_experts)[:num_experts]
 
 
 def send_positions(to_rank: torch.Tensor) -> torch.Tensor:

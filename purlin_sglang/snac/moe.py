@@ -26,8 +26,8 @@ combine (``moe_combine``: transposedV -> routed weighted reduce)
                        id -1 skipped; written in the expert output's dtype.
 
 Engines: the CPU engine (the oracle) runs CountExchange as an all-gather of count vectors and
-PutRows / PutBack as all_to_all_v calls through its staging; the CUDA engine runs the route
-prologue as device ops and the rest in one kernel per call (native/moe/) over a dedicated
+PutRows / PutBack as all_to_all_v calls through its staging; the CUDA engine runs every step of a
+call, the route and the FP8 quantisation included, in one kernel (native/moe/) over a dedicated
 double-buffered MoE region (memory/moe_layout.py).
 """
 

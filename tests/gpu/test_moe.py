@@ -171,3 +171,21 @@ def test_graph_capacity_overflow_is_recorded_and_raised():
     for i in (0, 2):  # correct before, and after: the communicator stays usable
         xs, ids, ws = (good, over, again)[i]
         check_results([res[r][0][i] for r in range(world)], xs, ids, ws, experts, capacity=cap)
+
+
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("qdtype", [None, FP8], ids=["as-is", "fp8"])
+def test_long_token_ranges_route_in_chunks(xdtype, qdtype):
+    """Over 32 tokens per block (the kernel routes 32 at a time, and every block counts all ids before its own
+    range): 1100 tokens per rank at world 2 (16 blocks: 68-69 tokens each, three chunks), exact and capacity rows,
+    FP8 quantised in the kernel from each input dtype; bitwise the reference, scales included."""
+    world, experts, topk = 2, 6, 3
+    xs, ids, ws = make_case(world, experts, topk, H, xdtype, 51 + int(qdtype is None), max_tokens=1100,
+                            fixed_tokens=True)
+    cap = max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts))
+    big = {**CFG, "moe": {"max_tokens_per_rank": 1100}}
+    for capacity in (None, cap):
+        barrier = threading.Barrier(world)
+        res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier),
+                             device="cuda", config=big)
+        check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=qdtype)

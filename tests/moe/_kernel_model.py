@@ -15,8 +15,11 @@ import time
 import numpy as np
 import torch
 
+from purlin_sglang.moe.routing import quantize_fp8, route, send_positions
+
 K_DISP_EPOCH, K_COMB_EPOCH, K_FATAL = 0, 1, 6
 _DT = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
+_ESIZE = {1: 2, 2: 2, 3: 4}
 
 
 def arr(ctype, addr, n):
@@ -29,6 +32,10 @@ def i64(addr, n=1):
 
 def i32(addr, n=1):
     return arr(ctypes.c_int32, addr, n)
+
+
+def i8(addr, n=1):
+    return arr(ctypes.c_uint8, addr, n)
 
 
 def f32(addr, n=1):
@@ -95,8 +102,20 @@ class FakeMoELib:
             st[K_DISP_EPOCH] = e
             return 0
         t_n = p.tokens
-        send_pos = i64(p.send_pos, t_n * w_) if t_n else []
-        dst, le, j = (i64(a, t_n * k_) if t_n else [] for a in (p.dst, p.le, p.j))
+        ids = (i32 if p.ids_bytes == 4 else i64)(p.ids, t_n * k_).astype(np.int64) if t_n else np.zeros(0, np.int64)
+        r = route(torch.from_numpy(ids).view(t_n, k_), l_ * w_, w_)  # the kernel's route step, in torch
+        dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
+        send_pos = send_positions(r.to_rank).reshape(-1).numpy()
+        if t_n:
+            i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
+        row_bytes = p.payload_bytes * (_ESIZE[p.x_dtype] if p.quant else 1)
+        x = (torch.frombuffer(bytearray((ctypes.c_char * (t_n * row_bytes)).from_address(p.x)), dtype=torch.uint8)
+             if t_n else torch.zeros(0, dtype=torch.uint8))
+        scales = None
+        if p.quant and t_n:
+            q, scales = quantize_fp8(x.view(_DT[p.x_dtype]).view(t_n, p.payload_bytes))
+            x = q.view(torch.uint8).reshape(-1)
+        x = x.contiguous().numpy()
         for it in range(t_n * w_):
             t, d = it // w_, (it % w_ + me + 1) % w_
             pos = int(send_pos[t * w_ + d])
@@ -105,14 +124,15 @@ class FakeMoELib:
             slot = p.bases[d] + p.recv_off + par * p.recv_parity_bytes + (me * p.max_tokens + pos) * p.slot_bytes
             h = i32(slot, 2 * k_ + 2)
             h[0] = t
-            h[1 + 2 * k_] = int(np.float32(f32(p.scales + 4 * t)[0] if p.scales else 1.0).view(np.int32))
+            h[1 + 2 * k_] = int(np.float32(float(scales[t]) if scales is not None else 1.0).view(np.int32))
             for k in range(k_):
                 mine = dst[t * k_ + k] == d
                 h[1 + k] = le[t * k_ + k] if mine else -1
                 h[1 + k_ + k] = j[t * k_ + k] if mine else -1
-            ctypes.memmove(slot + p.hdr_bytes, p.x + t * p.payload_bytes, p.payload_bytes)
-        counts = i64(p.counts, w_ * l_)
-        tokens_to = i64(p.tokens_to, w_)
+            ctypes.memmove(slot + p.hdr_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
+        counts = r.counts.numpy()
+        tokens_to = r.tokens_to.numpy()
+        n_bad = int(((ids < -1) | (ids >= l_ * w_)).sum())
         for d in range(w_):  # count words to every rank, every call; the epoch last
             cw = self._cw(p, d, par, me)
             i64(cw, 3)[1:3] = (tokens_to[d], self._meta(p))
@@ -134,8 +154,8 @@ class FakeMoELib:
             if len(over):
                 q, c = (int(v) for v in over[0])
                 self._record(p, 2, 0, q, me * l_ + c, int(cnt[q, c]), cap, e, 0, False)
-            if p.bad_ids and i64(p.bad_ids)[0] > 0:
-                self._record(p, 3, 0, -1, -1, int(i64(p.bad_ids)[0]), 0, e, 0, False)
+            if n_bad > 0:
+                self._record(p, 3, 0, -1, -1, n_bad, 0, e, 0, False)
             i32(p.out_counts, l_)[:] = tot
             recv = p.bases[me] + p.recv_off + par * p.recv_parity_bytes
             rows = l_ * w_ * cap
@@ -192,11 +212,11 @@ class FakeMoELib:
             base = p.bases[me] + p.ret_off + par * p.ret_parity_bytes
             raw = (ctypes.c_char * (p.tokens * k_ * p.ret_bytes)).from_address(base)
             ret = torch.frombuffer(bytearray(raw), dtype=dt).view(p.tokens, k_, n)
-            dst = torch.from_numpy(i64(p.dst, p.tokens * k_).copy()).view(p.tokens, k_)
+            valid = torch.from_numpy(i8(p.valid, p.tokens * k_).copy()).view(p.tokens, k_) != 0
             w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
             acc = torch.zeros(p.tokens, n, dtype=torch.float32)
             for k in range(k_):
-                m = dst[:, k] >= 0
+                m = valid[:, k]
                 acc[m] = acc[m] + w[m, k, None] * ret[m, k].to(torch.float32)
             out = acc.to(dt).contiguous().view(torch.uint8).numpy()
             ctypes.memmove(p.y, out.ctypes.data, out.nbytes)

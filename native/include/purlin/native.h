@@ -164,26 +164,24 @@ typedef struct PurlinMoeParams {
   long long state_off;                 // own words: see moe_kernel.cuh (State)
   long long timeout_ns;
   long long* host_error;               // host-mapped record (PURLIN_MOE_ERROR_WORDS words)
-  // dispatch: inputs (device, from the routing prologue) and outputs
-  const void* x;                       // [T] rows of payload_bytes (already FP8 if quantised)
-  const float* scales;                 // [T] or null
-  const long long* dst;                // [T, K] destination rank, -1: skipped slot
-  const long long* le;                 // [T, K] local expert at dst
-  const long long* j;                  // [T, K] index of (t, k) among my rows for that expert
-  const long long* send_pos;           // [T, world] position of t in my send list to d, -1: not sent
-  const long long* counts;             // [E] rows per global expert from me
-  const long long* tokens_to;          // [world] tokens I send to each rank
-  const long long* bad_ids;            // [1] ids out of range (skipped), or null
+  // dispatch: the caller's tensors (the kernel routes, and quantises to FP8, itself) and the outputs
+  const void* x;                       // [T] rows of `hidden` elements of x_dtype
+  const void* ids;                     // [T, K] global expert ids (ids_bytes 4 or 8); outside [0, E): skipped
+  long long ids_bytes;                 // 4 (int32) or 8 (int64)
+  long long x_dtype;                   // purlin_dtype of x (bf16, f16, f32; any with quant 0)
+  long long quant;                     // 0: rows travel as x; 1: FP8 e4m3 rows + per-token float32 scales
   void* out_x;                         // [local * world * capacity] rows of payload_bytes
-  float* out_scales;                   // or null
+  float* out_scales;                   // or null (quant 0)
   int* out_expert;
   int* out_src;
   long long* out_slot;
   int* out_counts;                     // [local]
+  unsigned char* out_valid;            // [T, K] 1 where the slot's id is in [0, E)
   // combine
   const void* expert_out;              // [local * world * capacity] rows of ret_bytes
   const int* row_src;                  // the dispatch's out_src / out_slot
   const long long* row_slot;
+  const unsigned char* valid;          // [T, K] the dispatch's out_valid
   const float* weights;                // [T, K] float32
   void* y;                             // [T] rows of ret_bytes
   long long dtype;                     // combine element: purlin_dtype (bf16, f16, f32)
