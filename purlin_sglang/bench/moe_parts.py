@@ -1,0 +1,136 @@
+"""Where the MoE exchange's time goes: its parts timed apart on loopback ranks, in graph mode.
+
+Per token count and wire dtype, one ``run_virtual`` world on one GPU; every rank captures a graph of
+``--calls`` calls of one part and the replays are timed with CUDA events (the slowest rank per
+iteration, median over iterations):
+
+* ``torch_route``: the routing as torch device ops (``moe.routing``: route, send positions, FP8
+  quantisation): what a dispatch costs when it routes outside its kernel (a reference for the others);
+* ``dispatch``: the whole ``moe_dispatch`` call (prologue + kernel);
+* ``combine``: ``moe_combine`` of that dispatch's rows;
+* ``pair``: dispatch then combine.
+
+With ``--profile`` the run is also recorded with the torch profiler and the table of device kernels
+(total time, calls, time per call) is written beside the JSON: the kernels of every part and rank
+together, so per-call figures are what to read. Usage (GPU machine)::
+
+    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from .metrics import percentile
+from .moe_check import DTYPES, make_inputs, max_pair_load
+from .purlin_runner import Options, graph_samples, rank_stream
+
+
+def _parts(comm, inp, experts: int, capacity: int, wire):
+    from ..moe.routing import quantize_fp8, route, send_positions
+
+    def torch_route(i):
+        r = route(inp.ids, experts, comm.world_size)
+        return send_positions(r.to_rank), (quantize_fp8(inp.x) if wire is not None else None)
+
+    d = comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity, dtype=wire)
+    eo = torch.empty(d.x.shape, dtype=torch.bfloat16, device=d.x.device).copy_(
+        d.x.to(torch.bfloat16) if d.x.dtype != torch.bfloat16 else d.x)
+    parts = {
+        "dispatch": lambda i: comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity,
+                                                dtype=wire),
+        "combine": lambda i: comm.moe_combine(eo, d),
+        "pair": lambda i: comm.moe_combine(eo, comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts,
+                                                                 capacity=capacity, dtype=wire)),
+    }
+    return {"torch_route": torch_route, **parts}
+
+
+def run_config(tokens: int, dtype: str, args) -> dict:
+    from ..api import run_virtual
+
+    wire = DTYPES[dtype]
+    world, experts = args.world, args.experts
+    inputs = [make_inputs(tokens, args.hidden, args.topk, experts, 1000 * args.seed + r, torch.device("cpu"))
+              for r in range(world)]
+    capacity = max(16, -(-max_pair_load([i.ids for i in inputs], experts) // 16) * 16)
+    barrier = threading.Barrier(world)
+    opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
+                   seed=0, timeout_s=60.0)
+
+    def fn(comm):
+        dev = comm.device
+        stream = rank_stream(comm)
+        side = torch.cuda.Stream(dev)
+        i = inputs[comm.rank]
+        inp = type(i)(i.x.to(dev), i.ids.to(dev), i.w.to(dev))
+        out = {}
+        for name, step in _parts(comm, inp, experts, capacity, wire).items():
+            out[name] = graph_samples(comm, step, stream, side, barrier, opts)
+        return out
+
+    rows = local = experts // world
+    rows = local * world * capacity
+    reserve = int(rows * args.hidden * 2 * (2 * args.calls + 4) + (512 << 20))
+    per_rank = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0,
+                                                             "moe": {"max_tokens_per_rank": max(tokens, 1)}},
+                           reserve_bytes=reserve)
+    res = {"tokens": tokens, "dtype": dtype, "capacity": capacity, "world": world}
+    for name in per_rank[0]:
+        worst = [max(t) for t in zip(*(r[name] for r in per_rank))]
+        res[name + "_us"] = percentile(worst, 50) * 1e6
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m purlin_sglang.bench.moe_parts", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="1,128,4096")
+    p.add_argument("--dtypes", default="bf16,fp8")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--calls", type=int, default=10, help="calls per captured graph")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="also write the torch profiler's kernel table")
+    p.add_argument("--out", default="bench-results/moe-parts")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("purlin-sglang: error: bench moe_parts needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [(int(t), d) for t in args.tokens.split(",") for d in args.dtypes.split(",")]
+    results = []
+    prof = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    for n, (t, d) in enumerate(configs, 1):
+        sys.stderr.write(f"[{n}/{len(configs)}] tokens {t} {d}\n")
+        r = run_config(t, d, args)
+        results.append(r)
+        sys.stderr.write("  " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "\n")
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        (out / "kernels.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                                    max_name_column_width=70))
+    (out / "moe_parts.json").write_text(json.dumps({"settings": vars(args), "rows": results}, indent=2))
+    keys = [k for k in results[0] if k.endswith("_us")]
+    print("tokens dtype cap " + " ".join(keys))
+    for r in results:
+        print(f"{r['tokens']} {r['dtype']} {r['capacity']} " + " ".join(f"{r.get(k, float('nan')):.1f}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
