@@ -10,8 +10,10 @@ moe:
 ```
 
 The keys are ``purlin_sglang.config.MoESettings`` (``PurlinConfig.moe``). Purlin is SGLang's MoE
-dispatcher only with ``--comm-backend purlin --purlin-config FILE`` whose ``moe.dispatcher`` is
-``purlin``, and ``--moe-a2a-backend none`` (SGLang's list of a2a backends is closed).
+dispatcher with ``--comm-backend purlin --moe-a2a-backend purlin`` (the plugin adds ``purlin`` to that
+flag's choices; the limits come from this section when ``--purlin-config`` is given, else its defaults),
+or with ``--comm-backend purlin --purlin-config FILE`` whose ``moe.dispatcher`` is ``purlin`` and
+``--moe-a2a-backend none``.
 """
 
 from __future__ import annotations

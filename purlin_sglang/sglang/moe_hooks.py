@@ -2,8 +2,8 @@
 
 SGLang 0.5.23's ``FusedMoE.__init__`` asks the module-level ``create_moe_dispatcher(moe_runner_config,
 quant_method)`` for its dispatcher (looked up at call time, so the hook reaches every layer). With
-``--comm-backend purlin``, a ``--purlin-config`` whose ``moe.dispatcher`` is ``purlin`` and
-``--moe-a2a-backend none``, it answers a :class:`~.moe_dispatcher.PurlinMoEDispatcher`; in every other
+``--comm-backend purlin`` and either ``--moe-a2a-backend purlin`` or a ``--purlin-config`` whose
+``moe.dispatcher`` is ``purlin`` with ``--moe-a2a-backend none``, it answers a :class:`~.moe_dispatcher.PurlinMoEDispatcher`; in every other
 case SGLang's own choice, unchanged (a layer purlin cannot serve is logged once, with the reason).
 Nothing here imports SGLang at module import time.
 """
@@ -31,10 +31,10 @@ def purlin_moe_config():
     from .moe_config import moe_settings_of
 
     settings = active_settings()
-    if settings.backend != "purlin" or settings.config_path is None:
+    if settings.backend != "purlin" or (settings.config_path is None and not settings.moe_a2a):
         return None
     cfg = moe_settings_of(settings.load_config())
-    return cfg if cfg.dispatcher == "purlin" else None
+    return cfg if cfg.dispatcher == "purlin" or settings.moe_a2a else None
 
 
 def create_moe_dispatcher(original, moe_runner_config: Any, quant_method: Any = None, *args, **kwargs):

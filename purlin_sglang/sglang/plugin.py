@@ -120,15 +120,24 @@ def backend_arg(value: str) -> str:
 
 
 def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] = None,
-                     nccl_free: bool = False) -> None:
+                     nccl_free: bool = False, moe_a2a: bool = False) -> None:
     """Record the choice on a ServerArgs (also for Engine users who build ServerArgs in code).
 
     With ``purlin``, the hooks are verified and the config file is read now, so mistakes
     surface at start-up in the launcher rather than in a worker. ``nccl_free``
-    (``--purlin-nccl-free``, either backend) verifies the hooks that mode needs.
+    (``--purlin-nccl-free``, either backend) verifies the hooks that mode needs. ``moe_a2a``
+    (``--moe-a2a-backend purlin``) makes purlin the MoE dispatcher; it needs ``backend="purlin"`` and
+    SGLang's own ``moe_a2a_backend`` left at ``"none"`` (the slot the dispatcher hook fills).
     """
     if backend not in BACKENDS:
         raise PurlinPluginError(f"--comm-backend: {backend!r} is not one of {list(BACKENDS)}")
+    if moe_a2a and backend != "purlin":
+        raise PurlinPluginError(
+            f"{MOE_A2A_FLAG} purlin needs --comm-backend purlin (got {backend}): purlin's MoE dispatch and combine "
+            "run on the purlin communicator of the expert-parallel group")
+    if moe_a2a and getattr(server_args, "moe_a2a_backend", "none") not in ("none", None):
+        raise PurlinPluginError(f"{MOE_A2A_FLAG} purlin: SGLang's moe_a2a_backend must stay 'none' (it is "
+                                f"{server_args.moe_a2a_backend!r})")
     if config_path is not None:
         config_path = os.path.abspath(config_path)
     if backend == "purlin":
@@ -142,12 +151,21 @@ def set_comm_backend(server_args: Any, backend: str, config_path: Optional[str] 
             raise PurlinPluginError(
                 f"{single_gpu.FLAG}: SGLang hooks not in effect: {'; '.join(missing)}. This plugin supports "
                 f"sglang=={SUPPORTED_SGLANG} (installed: {installed_version()})")
-    record(server_args, backend, config_path, nccl_free)
+    record(server_args, backend, config_path, nccl_free, moe_a2a)
 
 
 # -- the start-up hooks: they verify the others ------------------------------------------------
+MOE_A2A_FLAG = "--moe-a2a-backend"
+
+
 def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
-    """AFTER ServerArgs.add_cli_args: add --comm-backend and --purlin-config (once per parser)."""
+    """AFTER ServerArgs.add_cli_args: add --comm-backend and --purlin-config, and 'purlin' to the
+    choices of --moe-a2a-backend (once per parser)."""
+    a2a = parser._option_string_actions.get(MOE_A2A_FLAG)
+    if a2a is not None and a2a.choices is not None and "purlin" not in a2a.choices:
+        a2a.choices = [*a2a.choices, "purlin"]
+        a2a.help = ((a2a.help or "").rstrip() + " 'purlin' (purlin_sglang): purlin's MoE dispatch and combine "
+                    "(needs --comm-backend purlin; the moe: section of --purlin-config sets its limits).")
     if "--comm-backend" in parser._option_string_actions:
         return None
     group = parser.add_argument_group("purlin_sglang (communicator backend)")
@@ -171,11 +189,23 @@ def add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
     return None
 
 
-def from_cli_args(result: Any, cls: Any, args: argparse.Namespace) -> None:
-    """AFTER ServerArgs.from_cli_args: carry the choice on the record (an underscore attribute pickles)."""
-    set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None),
-                            bool(getattr(args, "purlin_nccl_free", False)))
-    return None
+def from_cli_args(original: Callable, cls: Any, args: argparse.Namespace) -> Any:
+    """AROUND ServerArgs.from_cli_args: carry the choice on the record (an underscore attribute pickles).
+
+    ``--moe-a2a-backend purlin`` is not a value SGLang knows: it is taken off the arguments (SGLang sees
+    ``none``, whose dispatcher slot the create_moe_dispatcher hook fills) and recorded as the setting."""
+    moe_a2a = getattr(args, "moe_a2a_backend", None) == "purlin"
+    backend = getattr(args, "comm_backend", "nccl")
+    if moe_a2a:
+        if backend != "purlin":
+            raise PurlinPluginError(
+                f"{MOE_A2A_FLAG} purlin needs --comm-backend purlin (got {backend}): purlin's MoE dispatch and "
+                "combine run on the purlin communicator of the expert-parallel group")
+        args.moe_a2a_backend = "none"
+    result = original(cls, args)
+    set_comm_backend(result, backend, getattr(args, "purlin_config", None),
+                     bool(getattr(args, "purlin_nccl_free", False)), moe_a2a)
+    return result
 
 
 _OFF_WITH_PURLIN = ("use_custom_allreduce", "use_mscclpp", "use_torch_symm_mem_all_reduce")
@@ -227,7 +257,7 @@ def coordinator_init(original, self, *args, **kwargs):
 # (target, hook type, hook). The only places where purlin touches SGLang.
 HOOKS: list[tuple[str, str, Callable]] = [
     (f"{_SA}.add_cli_args", "AFTER", add_cli_args),
-    (f"{_SA}.from_cli_args", "AFTER", from_cli_args),
+    (f"{_SA}.from_cli_args", "AROUND", from_cli_args),
     (f"{_GC}.__init__", "AROUND", coordinator_init),
     (f"{_GC}._resolve_outplace_all_reduce_method", "AROUND", hooks.resolve_outplace_all_reduce_method),
     (f"{_GC}._all_reduce_out_place", "AROUND", hooks.all_reduce_out_place),

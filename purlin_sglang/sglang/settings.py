@@ -23,6 +23,7 @@ BACKENDS = ("nccl", "purlin")
 _ATTR_BACKEND = "_purlin_comm_backend"
 _ATTR_CONFIG = "_purlin_config_path"
 _ATTR_NCCL_FREE = "_purlin_nccl_free"
+_ATTR_MOE = "_purlin_moe_a2a"
 _process_settings: Optional["CommSettings"] = None
 _configs: dict[str, tuple[tuple, Any]] = {}  # path -> ((mtime_ns, size), PluginConfig)
 _configs_lock = threading.Lock()
@@ -68,22 +69,24 @@ class CommSettings:
     backend: str = "nccl"
     config_path: Optional[str] = None
     nccl_free: bool = False  # --purlin-nccl-free (single_gpu.py)
+    moe_a2a: bool = False  # --moe-a2a-backend purlin: purlin's MoE dispatcher, whatever moe.dispatcher says
 
     def load_config(self):
         """The plugin config of ``config_path`` (parsed once per process: :func:`load_plugin_config`)."""
         return load_plugin_config(self.config_path)
 
 
-def record(server_args: Any, backend: str, config_path: Optional[str], nccl_free: bool) -> None:
+def record(server_args: Any, backend: str, config_path: Optional[str], nccl_free: bool, moe_a2a: bool = False) -> None:
     """Carry the setting on ``server_args`` (pickled to the workers with it)."""
     setattr(server_args, _ATTR_BACKEND, backend)
     setattr(server_args, _ATTR_CONFIG, config_path)
     setattr(server_args, _ATTR_NCCL_FREE, bool(nccl_free))
+    setattr(server_args, _ATTR_MOE, bool(moe_a2a))
 
 
 def settings_of(server_args: Any) -> CommSettings:
     return CommSettings(getattr(server_args, _ATTR_BACKEND, "nccl"), getattr(server_args, _ATTR_CONFIG, None),
-                        bool(getattr(server_args, _ATTR_NCCL_FREE, False)))
+                        bool(getattr(server_args, _ATTR_NCCL_FREE, False)), bool(getattr(server_args, _ATTR_MOE, False)))
 
 
 def active_settings() -> CommSettings:
@@ -99,12 +102,12 @@ def active_settings() -> CommSettings:
 
 
 @contextlib.contextmanager
-def activate(backend: str, config_path: Optional[str] = None, nccl_free: bool = False):
+def activate(backend: str, config_path: Optional[str] = None, nccl_free: bool = False, moe_a2a: bool = False):
     """Use ``backend`` for GroupCoordinators built in this process inside the context (tests, tools)."""
     global _process_settings
     if backend not in BACKENDS:
         raise PurlinPluginError(f"activate: {backend!r} is not one of {list(BACKENDS)}")
-    prev, _process_settings = _process_settings, CommSettings(backend, config_path, nccl_free)
+    prev, _process_settings = _process_settings, CommSettings(backend, config_path, nccl_free, moe_a2a)
     try:
         yield _process_settings
     finally:

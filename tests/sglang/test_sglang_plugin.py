@@ -201,3 +201,38 @@ def test_a_one_rank_group_runs_no_purlin_code_in_its_collectives():
     assert "CONTROL True" in out, out  # the profiler sees purlin code when it runs
     assert "SAME True True" in out, out
     assert "PURLIN_FRAMES []" in out, out
+
+
+def test_moe_a2a_backend_purlin_is_a_choice_of_sglangs_flag(loaded, monkeypatch):
+    """--moe-a2a-backend purlin: SGLang's own flag, its choice list extended; SGLang itself sees 'none' (the
+    dispatcher slot the create_moe_dispatcher hook fills) and the choice travels on the record."""
+    from purlin_sglang.sglang import moe_hooks
+
+    sa = parse(["--comm-backend", "purlin", "--moe-a2a-backend", "purlin"])
+    assert sa.moe_a2a_backend == "none"
+    got = plugin.settings_of(sa)
+    assert got == plugin.CommSettings("purlin", None, False, True)
+    assert plugin.settings_of(pickle.loads(pickle.dumps(sa))).moe_a2a
+    with plugin.activate("purlin", moe_a2a=True):  # no --purlin-config: the moe: defaults
+        cfg = moe_hooks.purlin_moe_config()
+    assert cfg is not None and cfg.max_tokens_per_rank > 0
+    with plugin.activate("purlin"):  # neither the flag nor a config that names purlin: SGLang's dispatcher
+        assert moe_hooks.purlin_moe_config() is None
+    assert not plugin.settings_of(parse(["--comm-backend", "purlin"])).moe_a2a
+    assert parse(["--comm-backend", "purlin", "--moe-a2a-backend", "none"]).moe_a2a_backend == "none"
+
+
+def test_moe_a2a_backend_purlin_from_a_yaml_config(loaded, tmp_path):
+    own = tmp_path / "server.yaml"
+    own.write_text("comm-backend: purlin\nmoe-a2a-backend: purlin\n")
+    sa = parse(["--config", str(own)])
+    assert plugin.settings_of(sa).moe_a2a and sa.moe_a2a_backend == "none"
+
+
+def test_moe_a2a_backend_purlin_needs_the_purlin_backend(loaded):
+    from purlin_sglang.errors import PurlinPluginError
+
+    with pytest.raises(PurlinPluginError, match="--moe-a2a-backend purlin needs --comm-backend purlin"):
+        parse(["--moe-a2a-backend", "purlin"])
+    with pytest.raises(SystemExit):  # still a closed list beyond purlin's name
+        parse(["--comm-backend", "purlin", "--moe-a2a-backend", "no-such"])
