@@ -60,7 +60,7 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinMoeParams, row_src), PURLIN_FIELD(PurlinMoeParams, row_slot),
     PURLIN_FIELD(PurlinMoeParams, valid), PURLIN_FIELD(PurlinMoeParams, weights),
     PURLIN_FIELD(PurlinMoeParams, y), PURLIN_FIELD(PurlinMoeParams, dtype),
-    PURLIN_FIELD(PurlinMoeParams, device),
+    PURLIN_FIELD(PurlinMoeParams, reject), PURLIN_FIELD(PurlinMoeParams, device),
     // ---- native.h: limits, the dtype and reduce-op tables ----
     PURLIN_CONST(PURLIN_SNAC_MAX_RANKS), PURLIN_CONST(PURLIN_SNAC_OP_WORDS), PURLIN_CONST(PURLIN_SNAC_EPOCH_WORDS),
     PURLIN_CONST(PURLIN_SNAC_ERROR_WORDS), PURLIN_CONST(PURLIN_SNAC_DESC_RING), PURLIN_CONST(PURLIN_SNAC_DESC_WORDS),
@@ -95,6 +95,7 @@ const PurlinAbiEntry kLayout[] = {
     {"moe.state_words", moe::kStateWords},
     {"moe.error_code.TIMEOUT", moe::kTimeout}, {"moe.error_code.OVERFLOW", moe::kOverflow},
     {"moe.error_code.BAD_IDS", moe::kBadIds}, {"moe.error_code.MISMATCH", moe::kMismatch},
+    {"moe.error_code.REJECTED", moe::kRejected}, {"moe.reject_bit", moe::kRejectBit},
 };
 
 #undef PURLIN_FIELD

@@ -69,8 +69,9 @@ PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream) 
 }
 
 PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream) {
-  if (params != nullptr && params->dtype != PURLIN_DTYPE_BFLOAT16 && params->dtype != PURLIN_DTYPE_FLOAT16 &&
-      params->dtype != PURLIN_DTYPE_FLOAT32) {
+  if (params != nullptr && ((params->dtype != PURLIN_DTYPE_BFLOAT16 && params->dtype != PURLIN_DTYPE_FLOAT16 &&
+                             params->dtype != PURLIN_DTYPE_FLOAT32) ||
+                            (params->reject != 0 && params->reject != 1))) {
     return cudaErrorInvalidValue;
   }
   return launch(purlin::moe::moe_combine_kernel, params, stream);

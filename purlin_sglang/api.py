@@ -246,9 +246,17 @@ class Communicator:
         -1 skipped), in ``expert_out``'s dtype. ``expert_out`` [R, H] is in ``d.x``'s row order
         (padding rows are ignored). Deterministic: bitwise equal on both engines and to
         :func:`purlin_sglang.moe.reference.reference_combine`. Collective.
+
+        Arguments one rank rejects (PurlinValueError naming the argument there) end the call on every
+        rank without a timeout: the CPU engine's peers raise at once, naming that rank; the CUDA engine's
+        at their next MoE call's end or ``synchronize()``. The communicator stays usable.
         """
         self._check_usable("moe_combine")
-        check_combine(expert_out, d, self.device, id(self))
+        try:
+            check_combine(expert_out, d, self.device, id(self))
+        except PurlinValueError as e:
+            self._moe.reject_combine(e)  # the peers' combines end without a timeout; raises e
+            raise
         return self._moe.combine(expert_out, d)
 
     # -- the call path (calls.py: checks, the algorithm, plans and caches) ---------------------

@@ -94,7 +94,7 @@ class MoeParams(ctypes.Structure):
         "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
         "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
         "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
-        "row_src", "row_slot", "valid", "weights", "y")] + [("dtype", _ll), ("device", _ll)]
+        "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device")]
 
 
 # THE dtype table of Python and C++: native.h's enum purlin_dtype (0 is no type: a copy-only schedule),
@@ -112,7 +112,8 @@ SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2, "MISMATCH": 3}
 SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_DESC_AFTER_NS = 4, 3, 20000
 # The MoE kernels' record (PURLIN_MOE_ERROR_WORDS words; word 0 one of these codes).
 MOE_ERROR_WORDS = 16
-MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4}
+MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4, "REJECTED": 5}
+MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)
 
 
 class _AbiEntry(ctypes.Structure):
@@ -160,6 +161,7 @@ def python_layout() -> dict[str, int]:
     out.update({f"snac.error.{n}": i for i, n in enumerate(SNAC_ERROR_FIELDS)})
     out.update({f"snac.error_code.{n}": v for n, v in SNAC_ERROR_CODES.items()})
     out.update({f"moe.error_code.{n}": v for n, v in MOE_ERROR_CODES.items()})
+    out["moe.reject_bit"] = MOE_REJECT_BIT
     return out
 
 

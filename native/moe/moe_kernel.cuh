@@ -84,14 +84,15 @@ __device__ inline void record(const PurlinMoeParams& p, long long code, long lon
   st_volatile(h, code);
 }
 
-// Wait until *w >= target (relaxed polls, then one acquire); false on timeout or a fatal error.
+// Wait until (*w without kRejectBit) >= target (relaxed polls, then one acquire); false on timeout or a
+// fatal error.
 __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, long long target, int kind,
                                long long peer) {
-  long long v = ld_relaxed_sys(w);
+  long long v = ld_relaxed_sys(w) & ~kRejectBit;
   if (v < target) {
     const unsigned long long t0 = globaltimer();
     const volatile long long* fatal = state(p) + kFatal;
-    while ((v = ld_relaxed_sys(w)) < target) {
+    while ((v = ld_relaxed_sys(w) & ~kRejectBit) < target) {
       if (*fatal) return false;
       if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
         record(p, kTimeout, kind, peer, -1, 0, 0, target, v, true);
@@ -643,7 +644,7 @@ __device__ inline void put_back(const PurlinMoeParams& p, int par, int* s_rows, 
 __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(PurlinMoeParams p) {
   __shared__ long long s_e;
   __shared__ int s_flag, s_fail;
-  __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps];
+  __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps], s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -658,14 +659,24 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
     finish(st + kCombExit, st + kCombEpoch, e);
     return;
   }
-  put_back(p, par, s_rows, s_wcnt);
+  if (tid == 0) s_rej = 0;
+  if (!p.reject) put_back(p, par, s_rows, s_wcnt);  // a rank that rejected its arguments puts nothing back
   if (arrive_last(st + kCombArrive, e, &s_flag) && tid < W) {
     __threadfence_system();
-    st_release_sys(reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8), e);
+    st_release_sys(reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
+                   p.reject ? (e | kRejectBit) : e);
   }
-  if (tid < W && !wait_ge(p, reinterpret_cast<const long long*>(own(p) + p.done_off + tid * 8), e, 1, tid)) s_fail = 1;
+  if (tid < W) {
+    const long long* done = reinterpret_cast<const long long*>(own(p) + p.done_off + tid * 8);
+    if (!wait_ge(p, done, e, 1, tid)) {
+      s_fail = 1;
+    } else if ((ld_relaxed_sys(done) & kRejectBit) && tid != p.rank) {  // this epoch's bit: peers cannot
+      if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);  // move on before it ends
+      s_rej = 1;
+    }
+  }
   __syncthreads();
-  if (!s_fail) {
+  if (!s_fail && !s_rej && !p.reject) {
     const char* ret = own(p) + p.ret_off + par * p.ret_parity_bytes;
     switch (p.dtype) {
       case PURLIN_DTYPE_BFLOAT16: reduce_rows<__nv_bfloat16>(p, ret); break;

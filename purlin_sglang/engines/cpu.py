@@ -258,7 +258,11 @@ class CpuMoE:
         plan = self._plan("dispatch", num_experts, capacity, quant)
         return cpu_moe.dispatch(self.comm, plan, x, ids, weights, id(self.comm))
 
+    def reject_combine(self, error) -> None:
+        cpu_moe.combine_status(self.comm, error)
+
     def combine(self, expert_out, d):
+        cpu_moe.combine_status(self.comm)
         return cpu_moe.combine(self.comm, expert_out, d)
 
     def check(self, fatal_only: bool = False) -> None:

@@ -60,6 +60,18 @@ def reject(comm, op: str, error: Exception, to_device=None, to_host=None) -> Non
     raise error  # not reached: exchange_header raises it
 
 
+def combine_status(comm, error: Exception | None = None) -> None:
+    """Every rank says whether it accepted its combine arguments (one all-gather); if a rank did not, every
+    rank raises now (that rank ``error``, the others naming it) and no rank runs the combine's exchange."""
+    got = comm.all_gather(torch.tensor([int(error is not None)], dtype=torch.int64, device=comm.device))
+    bad = [q for q, v in enumerate(got.tolist()) if v]
+    if error is not None:
+        raise error
+    if bad:
+        raise PurlinValueError(f"moe_combine: rank(s) {bad} rejected their arguments (their error names the "
+                               "argument); every rank skipped this call and the communicator stays usable")
+
+
 def overflow(plan: MoEPlan, matrix: torch.Tensor) -> PurlinCapacityError | None:
     """The first (source rank, expert) pair over capacity, as the error to raise, or None."""
     if plan.capacity is None:

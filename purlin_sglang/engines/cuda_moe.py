@@ -178,27 +178,33 @@ class CudaMoE:
         """Raise an error a MoE kernel recorded (no device sync).
 
         Fatal ones (a timeout, ranks disagreeing on the rows' shape) always: the communicator is
-        broken. The others (a capacity overflow, ids out of range in a captured call) only when
+        broken. The others (a capacity overflow, ids out of range in a captured call, a peer that rejected
+        its combine arguments) only when
         ``fatal_only`` is false, which is in :meth:`synchronize` and at the end of ``moe_combine``
         after its kernel is enqueued: raising before a call would make this rank skip it while its
         peers wait for it, and raising in a dispatch would make the caller skip the combine."""
         if self.broken:
             raise PurlinBrokenError(f"moe: the communicator is broken ({self.broken})")
-        if not self._err[0] or (fatal_only and int(self._err[0]) in (2, 3)):
+        codes = native.MOE_ERROR_CODES
+        if not self._err[0] or (fatal_only and int(self._err[0]) not in (codes["TIMEOUT"], codes["MISMATCH"])):
             return
         code, kind, rank, peer, expert, count, cap, epoch, seen = (int(v) for v in self._err[:9])
         op = "moe_combine" if kind == 1 else "moe_dispatch"
-        if code == 2:
+        if code == codes["OVERFLOW"]:
             self._err[:] = 0
             raise PurlinCapacityError(
                 f"{op}: rank {peer} routed {count} rows to expert {expert}, more than capacity={cap} (seen by rank "
                 f"{rank}, call #{epoch}); the rows past capacity were not delivered; raise capacity or "
                 "moe.max_tokens_per_rank", rank=peer, expert=expert, count=count, capacity=cap) from None
-        if code == 3:
+        if code == codes["BAD_IDS"]:
             self._err[:] = 0
             raise PurlinValueError(f"{op}: topk_ids held {count} id(s) outside [-1, num_experts) in a captured call "
                                    f"(#{epoch}); they were skipped")
-        if code == 4:
+        if code == codes["REJECTED"]:
+            self._err[:] = 0
+            raise PurlinValueError(f"{op}: rank {peer} rejected its arguments of MoE combine #{epoch} (its error names "
+                                   "the argument); no rank reduced that call's outputs; the communicator stays usable")
+        if code == codes["MISMATCH"]:
             msg = (f"{op}: rank {peer} dispatched rows of another shape (meta {count:#x}, mine {cap:#x}: hidden "
                    "size, top-k or expert count differ between ranks); the communicator is now broken")
             self.broken = msg
@@ -331,6 +337,16 @@ class CudaMoE:
             topk=k_n, hidden=hidden, num_experts=num_experts, capacity=None if rows_exact is not None else cap,
             weights=ws if ws.dtype == torch.float32 and ws.is_contiguous() else ws.to(torch.float32).contiguous(),
             valid=valid, _engine=state, _owner=id(self.comm))
+
+    def reject_combine(self, error: PurlinValueError) -> None:
+        """This rank's combine arguments are bad: run the combine kernel with nothing to put back, so the
+        peers' combines end at once (their done word from this rank carries the reject bit: they skip their
+        reduce and raise at their next check) instead of waiting out the timeout; then raise ``error``."""
+        if self.layout is not None and self.region is not None and not capturing_now():
+            p = self._params(self.layout)
+            p.local, p.topk, p.tokens, p.capacity, p.dtype, p.reject = 1, 1, 0, 1, _CODES[torch.float32], 1
+            self._launch(self.lib.moe_combine, p, "moe_combine")
+        raise error
 
     def combine(self, expert_out, d: MoEDispatch) -> torch.Tensor:
         self.check(fatal_only=True)

@@ -18,6 +18,7 @@ import torch
 from purlin_sglang.moe.routing import quantize_fp8, route, send_positions
 
 K_DISP_EPOCH, K_COMB_EPOCH, K_FATAL = 0, 1, 6
+REJECT_BIT = 1 << 62
 _DT = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _ESIZE = {1: 2, 2: 2, 3: 4}
 
@@ -73,7 +74,7 @@ class FakeMoELib:
 
     def _wait(self, p, addr, target, kind, peer):
         t0 = time.monotonic()
-        while i64(addr)[0] < target:
+        while int(i64(addr)[0]) & ~REJECT_BIT < target:
             if i64(p.bases[p.rank] + p.state_off, 16)[K_FATAL]:
                 return False
             if time.monotonic() - t0 > self.timeout_s:
@@ -196,16 +197,21 @@ class FakeMoELib:
             st[K_COMB_EPOCH] = e
             return 0
         rows = p.local * w_ * p.capacity
-        src, slot = i32(p.row_src, rows), i64(p.row_slot, rows)
-        for r in range(rows):
-            q = int(src[r])
-            if q < 0:
-                continue
-            ctypes.memmove(p.bases[q] + p.ret_off + par * p.ret_parity_bytes + int(slot[r]) * p.ret_bytes,
-                           p.expert_out + r * p.ret_bytes, p.ret_bytes)
+        if not p.reject:
+            src, slot = i32(p.row_src, rows), i64(p.row_slot, rows)
+            for r in range(rows):
+                q = int(src[r])
+                if q < 0:
+                    continue
+                ctypes.memmove(p.bases[q] + p.ret_off + par * p.ret_parity_bytes + int(slot[r]) * p.ret_bytes,
+                               p.expert_out + r * p.ret_bytes, p.ret_bytes)
         for q in range(w_):
-            i64(p.bases[q] + p.done_off + me * 8)[0] = e
-        ok = all(self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q) for q in range(w_))
+            i64(p.bases[q] + p.done_off + me * 8)[0] = e | (REJECT_BIT if p.reject else 0)
+        ok = all(self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q) for q in range(w_)) and not p.reject
+        for q in range(w_):
+            if ok and q != me and int(i64(p.bases[me] + p.done_off + q * 8)[0]) & REJECT_BIT:
+                self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
+                ok = False
         if ok and p.tokens:
             dt = _DT[p.dtype]
             n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()

@@ -193,3 +193,36 @@ def test_a_bad_eager_call_on_one_rank_raises_on_every_rank_and_launches_nothing(
             assert (what if r == 1 else "rank(s) [1] rejected their arguments") in msg, (r, what, msg)
     check_results([out for _, out in res], xs, ids, ws, experts)
     assert len(lib.launches) == 2 * world  # the good call's dispatch and combine only
+
+
+def test_a_bad_combine_on_one_rank_ends_every_ranks_combine(world_of):
+    """Rank 1 rejects its combine arguments: it runs the combine kernel with nothing to put back (its done word
+    carries the reject bit) and raises its own error; rank 0's kernel ends at once (no timeout), skips its reduce
+    and records the rejection, which rank 0 raises naming rank 1 (at its combine's end or synchronize()); the next
+    pair is correct."""
+    import time
+
+    world, experts = 2, 4
+    xs, ids, ws = make_case(world, experts, 2, H, torch.bfloat16, 35, max_tokens=6, empty_rank=False)
+
+    def fn(m):
+        r = m.rank
+        quant = check_dispatch(xs[r], ids[r], ws[r], experts, None, None, world, m.device, check_values=False)
+        d = m.dispatch(xs[r], ids[r], ws[r], experts, None, quant, False)
+        t0 = time.monotonic()
+        if r == 1:
+            with pytest.raises(ps.PurlinValueError, match="bad shape"):
+                m.reject_combine(ps.PurlinValueError("moe_combine: bad shape"))
+            seen = "own"
+        else:  # raised at the end of the combine if its kernel has ended by then (the model's has), else later
+            with pytest.raises(ps.PurlinValueError) as e:
+                m.combine(d.x.to(torch.bfloat16), d)
+                m.synchronize()
+            seen = str(e.value)
+        assert time.monotonic() - t0 < 4  # the model's timeout is 5 s
+        m.synchronize()  # raised once, then cleared
+        return seen, _call(m, xs, ids, ws, experts)
+
+    res, lib = world_of(world, fn, max_tokens=16)
+    assert "rank 1 rejected its arguments" in res[0][0], res[0][0]
+    check_results([out for _, out in res], xs, ids, ws, experts)

@@ -215,3 +215,30 @@ def test_reference_raises_on_overflow_and_orders_rows():
     assert d[0].src_slot.tolist() == [1, 4, 3]
     with pytest.raises(ValueError, match="rank 0 routes 2 rows to expert 0"):
         reference_dispatch(x, ids, ws, 2, 2, capacity=1)
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_bad_combine_on_one_rank_raises_on_every_rank_without_a_timeout(bad_rank):
+    """One rank's combine arguments are bad (the wrong shape, the wrong dtype, a foreign MoEDispatch): it raises
+    its own error, its peer raises naming it, at once (not at timeout_s), and the next pair works on both."""
+    import time
+
+    xs, ids, ws = make_case(2, 4, 2, 3, torch.float32, 8, empty_rank=False)
+    bad = (("expected", lambda out, d: (out[1:], d)), ("dtype", lambda out, d: (out.to(torch.int32), d)),
+           ("MoEDispatch", lambda out, d: (out, "not a dispatch")))
+
+    def fn(c):
+        r = c.rank
+        for what, change in bad:
+            d = c.moe_dispatch(xs[r], ids[r], ws[r], num_experts=4)
+            out = d.x.clone()
+            args = change(out, d) if r == bad_rank else (out, d)
+            t0 = time.monotonic()
+            with pytest.raises(ps.PurlinValueError) as e:
+                c.moe_combine(*args)
+            assert time.monotonic() - t0 < 10, what
+            want = what if r == bad_rank else f"rank(s) [{bad_rank}] rejected their arguments"
+            assert want in str(e.value), (what, str(e.value))
+        return run_rank(c, xs, ids, ws, 4)
+    res = ps.run_virtual(2, fn, config={**CFG, "timeout_s": 30})
+    check_results(res, xs, ids, ws, 4)

@@ -48,6 +48,9 @@ enum StateWord : int { kDispEpoch = 0, kCombEpoch = 1, kDispArrive = 2, kDispExi
                        kCombExit = 5, kFatal = 6 };
 constexpr int kStateWords = 7;
 // Word 0 of the host-mapped record (PURLIN_MOE_ERROR_WORDS words).
-enum ErrorCode : int { kTimeout = 1, kOverflow = 2, kBadIds = 3, kMismatch = 4 };
+enum ErrorCode : int { kTimeout = 1, kOverflow = 2, kBadIds = 3, kMismatch = 4, kRejected = 5 };
+// A combine done word of a rank that rejected its own arguments (it put nothing back): the epoch with this
+// bit set. Waits compare the epoch below it; a peer that sees the bit records kRejected and skips its reduce.
+constexpr long long kRejectBit = 1ll << 62;
 
 }  // namespace purlin::moe

@@ -185,6 +185,8 @@ typedef struct PurlinMoeParams {
   const float* weights;                // [T, K] float32
   void* y;                             // [T] rows of ret_bytes
   long long dtype;                     // combine element: purlin_dtype (bf16, f16, f32)
+  long long reject;                    // combine: 1 = this rank rejected its arguments: put nothing back, tell
+                                       // every rank (its done word carries kRejectBit), reduce nothing
   long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
