@@ -189,3 +189,33 @@ def test_long_token_ranges_route_in_chunks(xdtype, qdtype):
         res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier),
                              device="cuda", config=big)
         check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=qdtype)
+
+
+def test_bad_combine_on_one_rank_ends_every_ranks_combine():
+    """Rank 1's combine arguments are bad: it raises its own error; rank 0 raises naming rank 1 well inside
+    timeout_s (its kernel saw the reject bit), and the next pair is correct on both."""
+    import time
+
+    world, experts = 2, 4
+    xs, ids, ws = make_case(world, experts, 2, H, torch.bfloat16, 61, max_tokens=8, empty_rank=False)
+    barrier = threading.Barrier(world)
+
+    def fn(c):
+        r, dev = c.rank, c.device
+        x, i, w = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+        c.synchronize()
+        barrier.wait()
+        d = c.moe_dispatch(x, i, w, num_experts=experts)
+        out = d.x.clone()
+        t0 = time.monotonic()
+        with pytest.raises(ps.PurlinValueError) as e:
+            c.moe_combine(out[1:] if r == 1 else out, d)
+            c.synchronize()
+        took = time.monotonic() - t0
+        barrier.wait()
+        return str(e.value), took, run_rank(c, xs, ids, ws, experts, barrier=barrier)
+
+    res = ps.run_virtual(world, fn, device="cuda", config=CFG)
+    assert "expected" in res[1][0] and "rank 1 rejected its arguments" in res[0][0], (res[0][0], res[1][0])
+    assert max(r[1] for r in res) < CFG["timeout_s"] / 2
+    check_results([r[2] for r in res], xs, ids, ws, experts)
