@@ -197,17 +197,15 @@ def run(args: argparse.Namespace) -> int:
              "placement": "one_gpu" if device == "cuda" else "any",
              "dtype": args.dtype, "mode": mode, "iters": iters, "warmup": warmup,
              "entries": entries, "measurements": rows}
-    if not rows:
-        for f in failures:
-            print(f"error: {f}")
-        print(f"error: tune: nothing was measured, so no table was written to {args.out}")
-        return 1
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=1))
-    for world, per in entries.items():
-        for name, bs in per.items():
-            print(f"world {world} {name:<16}" + "  ".join(f"<={human_bytes(b)} {a}" for b, a in bs))
-    print(f"wrote {args.out} ({len(rows)} measurements)")
+    if rows:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(table, indent=1))
+        for world, per in entries.items():
+            for name, bs in per.items():
+                print(f"world {world} {name:<16}" + "  ".join(f"<={human_bytes(b)} {a}" for b, a in bs))
+        print(f"wrote {args.out} ({len(rows)} measurements)")
     for f in failures:
         print(f"error: {f}")
-    return 1 if failures else 0
+    if not rows:
+        print(f"error: tune: nothing was measured, so no table was written to {args.out}")
+    return 1 if failures or not rows else 0
