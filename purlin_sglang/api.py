@@ -409,7 +409,11 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")
-    return run_world(world_size, fn, torch.device(device), coerce_config(config), reserve_bytes,
+    if not callable(fn):
+        raise PurlinValueError(f"run_virtual: fn must be a callable taking the rank's Communicator, got {fn!r}")
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise PurlinValueError(f"run_virtual: reserve_bytes must be an int >= 0, got {reserve_bytes!r}")
+    return run_world(world_size, fn, check_device(device, "run_virtual"), coerce_config(config), reserve_bytes,
                      make=Communicator._virtual, mark_broken=lambda comm, why: comm._engine.mark_broken(why))
 
 

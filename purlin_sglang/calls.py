@@ -87,23 +87,24 @@ def coerce_config(config: Any) -> PurlinConfig:
     )
 
 
-def check_device(device: Any) -> torch.device:
-    """``device`` as a torch.device of type cpu or cuda, else a PurlinValueError naming what is accepted."""
+def check_device(device: Any, op: str = "Communicator") -> torch.device:
+    """``device`` as a torch.device of type cpu or cuda, else a PurlinValueError (starting with ``op``)
+    naming what is accepted."""
     accepted = "'cpu', 'cuda', 'cuda:N' or a torch.device of those types"
     if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
-        hint = f"; for GPU {device} use 'cuda:{device}'" if isinstance(device, int) and not isinstance(device, bool) else ""
-        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r} "
+        hint = f"; for GPU {device} use 'cuda:{device}'" if type(device) is int else ""
+        raise PurlinValueError(f"{op}: device must be {accepted}, got {device!r} "
                                f"({type(device).__name__}){hint}")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r}") from None
+        raise PurlinValueError(f"{op}: device must be {accepted}, got {device!r}") from None
     if dev.type not in ("cpu", "cuda"):
-        raise PurlinValueError(f"Communicator: device must be {accepted}, got {device!r} (type {dev.type!r})")
+        raise PurlinValueError(f"{op}: device must be {accepted}, got {device!r} (type {dev.type!r})")
     if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
         n = torch.cuda.device_count()
         if dev.index >= n:
-            raise PurlinValueError(f"Communicator: device {device!r} does not exist: this process sees {n} CUDA "
+            raise PurlinValueError(f"{op}: device {device!r} does not exist: this process sees {n} CUDA "
                                    f"device(s), cuda:0 to cuda:{n - 1}")
     return dev
 

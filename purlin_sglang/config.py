@@ -1,8 +1,8 @@
 """PurlinConfig: the one typed configuration of purlin_sglang.
 
 Defaults are documented on each field. ``PurlinConfig.from_yaml(path)`` reads a
-YAML mapping; unknown keys and bad values are rejected with a
-:class:`~purlin_sglang.errors.PurlinConfigError` that names the key. The library
+YAML mapping; unknown keys and bad values, there, in ``from_dict`` or given to the constructor,
+are rejected with a :class:`~purlin_sglang.errors.PurlinConfigError` that names the key. The library
 reads no environment variables at run time; the build reads ``PURLIN_CUDA_ARCHS`` and
 ``PURLIN_DISABLE_CUDA`` (CMakeLists.txt).
 """
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from .config_model import ConfigModel, explain
 from .errors import PurlinConfigError
 from .snac.policy import TuningPolicy
 
@@ -38,7 +39,7 @@ def timeouts(timeout_s: float) -> Timeouts:
                     destroy_s=max(1.0, timeout_s), join_s=timeout_s * 4 + 60)
 
 
-class MoESettings(BaseModel):
+class MoESettings(ConfigModel):
     """The ``moe:`` section: expert-parallel dispatch and combine (``Communicator.moe_dispatch``).
 
     * ``dispatcher`` (``none``): ``purlin`` makes purlin SGLang's MoE dispatcher (the plugin reads it).
@@ -49,14 +50,12 @@ class MoESettings(BaseModel):
       dtype), ``bf16`` or ``fp8`` (float8_e4m3fn rows with per-token float32 scales).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     dispatcher: Literal["none", "purlin"] = "none"
     max_tokens_per_rank: int = Field(256, ge=1, le=1 << 20)
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
 
 
-class PurlinConfig(BaseModel):
+class PurlinConfig(ConfigModel):
     """Configuration of a :class:`~purlin_sglang.Communicator`.
 
     * ``timeout_s`` (60): longest wait for a peer before ``PurlinTimeoutError``.
@@ -86,8 +85,6 @@ class PurlinConfig(BaseModel):
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     timeout_s: float = Field(60.0, gt=0, le=86400)
     staging_bytes: int = Field(64 * MiB, ge=4096, le=1 << 40)
     symmetric_bytes: int = Field(0, ge=0, le=1 << 40)
@@ -107,7 +104,7 @@ class PurlinConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise PurlinConfigError(_explain(e, source)) from None
+            raise PurlinConfigError(explain(e, source, cls)) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "PurlinConfig":
@@ -133,23 +130,3 @@ class PurlinConfig(BaseModel):
         """A copy with ``changes`` applied and validated."""
         return type(self).from_dict({**self.model_dump(), **changes})
 
-
-def _known_keys(loc: tuple) -> str:
-    model: type[BaseModel] = PurlinConfig
-    for part in loc[:-1]:
-        ann = model.model_fields.get(str(part))
-        if ann is None or not isinstance(ann.annotation, type) or not issubclass(ann.annotation, BaseModel):
-            break
-        model = ann.annotation
-    return ", ".join(model.model_fields)
-
-
-def _explain(e: ValidationError, source: str) -> str:
-    lines = []
-    for err in e.errors():
-        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{key}' (known keys: {_known_keys(err['loc'])})")
-        else:
-            lines.append(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)

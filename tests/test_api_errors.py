@@ -193,6 +193,29 @@ def test_run_virtual_rejects_bad_world_size():
             ps.run_virtual(world, good_call, config=CFG)
 
 
+@pytest.mark.parametrize("device,says", [
+    ("tpu", "got 'tpu'"),
+    ("cuda:x", "got 'cuda:x'"),
+    (torch.device("meta"), "(type 'meta')"),
+    (3, "for GPU 3 use 'cuda:3'"),
+    (None, "got None (NoneType)"),
+])
+def test_run_virtual_rejects_a_bad_device_naming_the_accepted_ones(device, says):
+    with pytest.raises(PurlinValueError) as info:
+        ps.run_virtual(2, good_call, device=device, config=CFG)
+    msg = str(info.value)
+    assert msg.startswith("run_virtual: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device"), msg
+    assert says in msg, msg
+
+
+def test_run_virtual_rejects_a_bad_fn_or_reserve():
+    with pytest.raises(PurlinValueError, match="run_virtual: fn must be a callable"):
+        ps.run_virtual(2, None, config=CFG)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(PurlinValueError, match="run_virtual: reserve_bytes must be an int >= 0"):
+            ps.run_virtual(2, good_call, config=CFG, reserve_bytes=bad)
+
+
 def test_staging_too_small_for_the_plan_is_a_plan_error_and_harmless():
     from purlin_sglang.errors import PurlinPlanError
 

@@ -10,6 +10,7 @@ import torch
 import purlin_sglang as ps
 from purlin_sglang import PurlinConfig
 from purlin_sglang.errors import PurlinConfigError, PurlinUnavailableError, PurlinValueError
+from purlin_sglang.snac.policy import TuningPolicy
 
 MiB = 1 << 20
 
@@ -81,6 +82,43 @@ def test_bad_values_are_rejected_naming_the_key(data, key):
     with pytest.raises(PurlinConfigError) as info:
         PurlinConfig.from_dict(data)
     assert f"key '{key}'" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda: PurlinConfig(timout_s=3), ["PurlinConfig: unknown key 'timout_s'", "did you mean 'timeout_s'?",
+                                        "known keys: timeout_s, staging_bytes"]),
+    (lambda: PurlinConfig(timeout_s="soon"), ["PurlinConfig: key 'timeout_s'", "valid number", "'soon'"]),
+    (lambda: PurlinConfig(memory="gpu"), ["key 'memory'", "'ipc'", "'host'", "(got 'gpu')"]),
+    (lambda: PurlinConfig(tuning={"algo": "oneshot"}), ["unknown key 'tuning.algo'", "did you mean 'algorithm'?"]),
+    (lambda: PurlinConfig(moe={"dtype": "fp16"}), ["key 'moe.dtype'", "'bf16'", "'fp8'"]),
+    (lambda: TuningPolicy(slot=3), ["TuningPolicy: unknown key 'slot'", "did you mean 'slots'?"]),
+    (lambda: PurlinConfig(colour="red"), ["unknown key 'colour' (known keys: timeout_s"]),  # nothing close
+])
+def test_the_constructors_raise_config_errors_naming_the_key(make, says):
+    with pytest.raises(PurlinConfigError) as info:
+        make()
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in msg and "pydantic" not in msg, msg
+    for text in says:
+        assert text in msg, msg
+
+
+def test_a_misspelt_key_in_a_file_gets_a_suggestion(tmp_path):
+    p = tmp_path / "typo.yaml"
+    p.write_text("timeout_s: 5\ntuning:\n  slot: 4\n")
+    with pytest.raises(PurlinConfigError, match=r"unknown key 'tuning.slot' \(did you mean 'slots'\?") as info:
+        PurlinConfig.from_yaml(p)
+    assert str(p) in str(info.value)
+
+
+def test_a_constructed_config_equals_the_one_read_and_refuses_assignment_with_a_config_error():
+    c = PurlinConfig(timeout_s=3, tuning=TuningPolicy(slots=4), moe={"dtype": "bf16"})
+    assert c == PurlinConfig.from_dict({"timeout_s": 3, "tuning": {"slots": 4}, "moe": {"dtype": "bf16"}})
+    with pytest.raises(PurlinConfigError, match=r"key 'timeout_s' cannot be set.*config.replace\(timeout_s=\.\.\.\)"):
+        c.timeout_s = 5
+    with pytest.raises(PurlinConfigError, match="TuningPolicy is frozen"):
+        c.tuning.slots = 8
+    assert (c.timeout_s, c.tuning.slots) == (3, 4) and c.replace(timeout_s=5).timeout_s == 5
 
 
 def test_several_bad_keys_are_all_named():

@@ -1,13 +1,45 @@
-"""Command-line argument types shared by the bench commands (collectives, tune, moe)."""
+"""Command-line argument types shared by the commands (demo, bench collectives, tune, bench moe)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable
 
+from ..errors import PurlinValueError
 from .metrics import parse_size
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (``--rows 0`` is refused by argparse, naming the option)."""
+    return _number(text, int, 1, strict=False)
+
+
+def nonneg_int(text: str) -> int:
+    """An int >= 0."""
+    return _number(text, int, 0, strict=False)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds)."""
+    return _number(text, float, 0, strict=True)
+
+
+def factor_arg(text: str) -> float:
+    """A sweep's step: a finite number > 1 (each size is the one before times this)."""
+    return _number(text, float, 1, strict=True)
+
+
+def _number(text: str, kind: type, low: float, *, strict: bool) -> Any:
+    """``text`` as ``kind`` (int or float): finite, and above ``low`` (``strict``) or at least ``low``."""
+    what = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {low:g}"
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need {what}, got {text!r}") from None
+    if not (v > low if strict else v >= low) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"need {what}, got {text}")
+    return v
 
 
 def csv_list(text: str) -> list[str]:
@@ -39,14 +71,16 @@ def worlds_arg(text: str) -> list[int]:
 
 
 def start(args: argparse.Namespace, resolve: Callable[[argparse.Namespace], argparse.Namespace]
-          ) -> Optional[tuple[argparse.Namespace, Path]]:
+          ) -> tuple[argparse.Namespace, Path]:
     """A bench command's arguments checked by ``resolve`` and its output folder made: (the resolved
-    arguments, the folder), or None after printing the argument error (the command then exits 2)."""
+    arguments, the folder). A ValueError of ``resolve`` (an option it refuses) is raised as a
+    PurlinValueError: the command line prints its message and exits 2."""
     try:
         args = resolve(args)
+    except PurlinValueError:
+        raise
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
+        raise PurlinValueError(str(e)) from e
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     return args, out_dir

@@ -7,7 +7,9 @@ reference (fresh random inputs), then the calls are timed (CUDA events on a GPU,
 its plan reads and writes (bench/traffic.py); on a GPU, the loopback floor (bench/floor.py), the
 fraction of it reached and the best fraction the plan can reach ("plan max"). Baselines run in the same command where
 the machine allows them and are listed as skipped, with the reason, where it does not. Writes
-``results.json`` and plots to ``--out``, prints a table, and exits 1 if any result is wrong.
+``results.json`` and plots to ``--out``, prints a table, and exits 1 if any result is wrong or nothing
+was measured. What cannot run on the chosen device (graph mode or a GPU baseline on the CPU engine,
+``--device cuda`` without a usable CUDA engine) is refused before anything runs (exit 2).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .args import csv_list, size_arg, sizes_arg, start, worlds_arg
+from .args import csv_list, factor_arg, nonneg_int, positive_float, positive_int, size_arg, sizes_arg, start, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .environment import environment
 from .purlin_runner import Options, run_purlin
@@ -49,16 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of sizes, e.g. 1K,64K,1M (overrides the sweep)")
     p.add_argument("--min-bytes", type=size_arg, default=None, help="sweep start (default 1K)")
     p.add_argument("--max-bytes", type=size_arg, default=None, help="sweep end (default 1G on GPU, 1M on CPU)")
-    p.add_argument("--factor", type=float, default=None, help="sweep step (default 2 on GPU, 4 on CPU)")
+    p.add_argument("--factor", type=factor_arg, default=None, help="sweep step (default 2 on GPU, 4 on CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="element type (reductions sum)")
     p.add_argument("--modes", type=csv_list, default=None,
                    help="eager,graph (default: both on GPU, eager on CPU; graph needs CUDA)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
-    p.add_argument("--graph-calls", type=int, default=50,
+    p.add_argument("--iters", type=positive_int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
+    p.add_argument("--warmup", type=nonneg_int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
+    p.add_argument("--graph-calls", type=positive_int, default=50,
                    help="calls captured in one graph (graph mode; 50, as tests/gpu/bench_cuda_engine.py: with "
                         "few calls per replay the rank threads' launches, not the GPU, set the pace)")
-    p.add_argument("--rotate", type=int, default=3,
+    p.add_argument("--rotate", type=positive_int, default=3,
                    help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")
     p.add_argument("--l2-bytes", type=size_arg, default=H200_L2, help="L2 size (default 60M, H200)")
     p.add_argument("--baselines", type=csv_list, default=["auto"],
@@ -69,45 +71,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="purlin's inputs in its symmetric heap (config symmetric_bytes): collectives with a "
                         "direct form read their peers' inputs in place where they would stage "
                         "(rows: purlin-<engine>+heap)")
-    p.add_argument("--timeout", type=float, default=60.0, help="timeout_s of each communicator")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="timeout_s of each communicator")
     p.add_argument("--out", default=None, help="results directory (default ./bench-results/<timestamp>)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the device-dependent defaults and validate; raises ValueError naming the option."""
+    """Fill the device-dependent defaults and validate; raises PurlinValueError naming the option.
+
+    Combinations that cannot run here are refused before anything runs: --device cuda without a usable
+    CUDA engine, graph mode or a GPU baseline on the CPU engine, the gloo baseline on CUDA."""
+    from ..engines import cuda_engine_status
+    from ..errors import PurlinValueError
+
+    def refuse(msg: str) -> PurlinValueError:
+        return PurlinValueError(f"bench collectives: {msg}")
+
     gpu = torch.cuda.is_available()
     if args.device is None:
         args.device = "cuda" if gpu else "cpu"
     cuda = args.device == "cuda"
-    if cuda and not gpu:
-        raise ValueError("bench collectives: --device cuda but torch sees no CUDA GPU; use --device cpu")
+    why = cuda_engine_status() if cuda else ""
+    if why:
+        raise refuse(f"--device cuda, but {why}; use --device cpu")
     names = _collective_names()
     args.collectives = args.collectives or names
     bad = [c for c in args.collectives if c not in names]
     if bad:
-        raise ValueError(f"bench collectives: unknown collective(s) {bad}; choose from {names}")
+        raise refuse(f"unknown collective(s) {bad}; choose from {names}")
     args.world = args.world or [8 if cuda else 4]
     if args.sizes is None:
-        args.sizes = size_sweep(args.min_bytes or 1 << 10,
-                                args.max_bytes or (1 << 30 if cuda else 1 << 20),
-                                args.factor or (2.0 if cuda else 4.0))
+        try:
+            args.sizes = size_sweep(args.min_bytes or 1 << 10, args.max_bytes or (1 << 30 if cuda else 1 << 20),
+                                    args.factor or (2.0 if cuda else 4.0))
+        except ValueError as e:
+            raise refuse(f"{e}; use --min-bytes <= --max-bytes") from None
     elif args.min_bytes or args.max_bytes or args.factor:
-        raise ValueError("bench collectives: give either --sizes or --min-bytes/--max-bytes/--factor, not both")
+        raise refuse("give either --sizes or --min-bytes/--max-bytes/--factor, not both")
     args.modes = args.modes or (["eager", "graph"] if cuda else ["eager"])
     bad = [m for m in args.modes if m not in ("eager", "graph")]
     if bad:
-        raise ValueError(f"bench collectives: unknown mode(s) {bad}; use eager, graph")
+        raise refuse(f"unknown mode(s) {bad}; use eager, graph")
+    if "graph" in args.modes and not cuda:
+        raise refuse("--modes graph needs CUDA (CUDA graphs), but the device is cpu; use --modes eager on the CPU "
+                     "engine")
     args.iters = args.iters if args.iters is not None else (20 if cuda else 10)
     args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
-    if args.iters < 1 or args.warmup < 0 or args.graph_calls < 1 or args.rotate < 1:
-        raise ValueError("bench collectives: need --iters >= 1, --warmup >= 0, --graph-calls >= 1, --rotate >= 1")
     if args.baselines == ["auto"]:
         args.baselines = ["nccl", "symm_mem", "sglang"] if cuda else ["gloo"]
     elif args.baselines == ["none"]:
         args.baselines = []
     bad = [b for b in args.baselines if b not in BASELINES]
     if bad:
-        raise ValueError(f"bench collectives: unknown baseline(s) {bad}; choose from {list(BASELINES)}, auto, none")
+        raise refuse(f"unknown baseline(s) {bad}; choose from {list(BASELINES)}, auto, none")
+    wrong = [b for b in args.baselines if (b == "gloo") == cuda]
+    if wrong:
+        raise refuse(f"baseline(s) {wrong} cannot run on the {args.device} engine: nccl, symm_mem and sglang need "
+                     "--device cuda, gloo is for --device cpu; use --baselines auto or none")
     if args.out is None:
         args.out = str(Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     return args
@@ -116,10 +135,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from ..errors import PurlinUnavailableError
 
-    started = start(args, resolve)
-    if started is None:
-        return 2
-    args, out_dir = started
+    args, out_dir = start(args, resolve)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     opts = Options(dtype=dtype, iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
@@ -138,9 +154,6 @@ def run(args: argparse.Namespace) -> int:
                      f"{len(args.sizes)} sizes {human_bytes(args.sizes[0])}..{human_bytes(args.sizes[-1])}, "
                      f"{args.dtype}, iters {args.iters}, warm-up {args.warmup}\n")
     for mode in args.modes:
-        if mode == "graph" and device.type != "cuda":
-            skipped.append({"impl": "purlin", "mode": "graph", "reason": "graph mode needs CUDA (device is cpu)"})
-            continue
         for world in args.world:
             for name in args.collectives:
                 cases = [make_case(name, s, world, dtype) for s in args.sizes]
@@ -189,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         print(why)
     bad = [r for r in rows if not r.get("correct")]
     print(f"{len(rows) - len(bad)} of {len(rows)} results correct")
+    if not rows:
+        print("error: bench collectives: nothing was measured (every run was skipped, see above)", file=sys.stderr)
+        return 1
     return 1 if bad else 0
 
 

@@ -101,7 +101,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if bad or not args.dtypes:
         raise ValueError(f"bench moe: unknown --dtypes {bad}; choose from {list(DTYPES)}")
     if args.world < 1 or args.experts % args.world:
-        raise ValueError(f"bench moe: --experts {args.experts} must be a multiple of --world {args.world}")
+        raise ValueError(f"bench moe: --world must be >= 1, got {args.world}" if args.world < 1
+                         else f"bench moe: --experts {args.experts} must be a multiple of --world {args.world}")
     if not 1 <= args.topk <= args.experts:
         raise ValueError(f"bench moe: need 1 <= --topk <= --experts (got {args.topk})")
     if args.hidden < 1 or args.iters < 1 or args.warmup < 0 or args.graph_calls < 1:

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import PurlinValueError
+from .args import positive_float
+
 BENCH_MODULE = "sglang.benchmark.offline_throughput"
 BACKENDS = ("nccl", "purlin")  # the plugin's --comm-backend choices (purlin_sglang.sglang.plugin)
 DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix")
@@ -152,7 +155,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--random-output-len", type=int, help=f"default {BENCH_DEFAULTS['random_output_len']}")
     a("--seed", type=int, help=f"prompt generation and sampling seed (default {BENCH_DEFAULTS['seed']})")
     a("--out", help="results directory (default ./bench-results/offline-<timestamp>)")
-    a("--timeout", type=float, default=3600.0, help="seconds one run may take before it is stopped")
+    a("--timeout", type=positive_float, default=3600.0, help="seconds one run may take before it is stopped")
     a("--dry-run", action="store_true", help="write the dataset and print each run's command; run nothing")
     a("--benchmark-module", default=BENCH_MODULE,
       help="module whose cli_main() is the benchmark (default SGLang's); another one skips the sglang and "
@@ -431,9 +434,8 @@ def run(args: argparse.Namespace) -> int:
                                     plan.bench["seed"])
         else:
             dataset = describe_dataset(Path(plan.dataset_path).resolve())
-    except OfflineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except OfflineError as e:  # nothing ran: the command line prints the message and exits 2
+        raise PurlinValueError(str(e)) from e
     if plan.nccl_free:
         print("bench offline: --nccl-free: every run with --purlin-nccl-free; 'nccl' = SGLang's own collectives on "
               "gloo", flush=True)

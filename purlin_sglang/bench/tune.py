@@ -5,7 +5,9 @@ every world size and every size of a geometric grid, each algorithm is forced
 (``tuning.algorithm``) and timed on virtual ranks: on CUDA as CUDA graphs of ``--graph-calls``
 calls timed with events (loopback ranks on one GPU), on the CPU engine eagerly with
 ``time.perf_counter``. One call per case is checked against the torch reference first; a wrong
-result or a failed run is reported and exits 1, and never becomes a table entry. The time of a
+result or a failed run is reported and exits 1, and never becomes a table entry; a run that measured
+nothing writes no table. ``--collectives`` naming one with nothing to choose between on this engine
+(one algorithm, or a V form) is refused before anything runs (exit 2). The time of a
 case is the median over ``--iters`` (after ``--warmup``) of the slowest rank's time. The table
 (format: snac/table.py) gives, per world and collective, size bands with the fastest algorithm;
 ``tuning.table: PATH`` makes the planner use it.
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .args import csv_list, size_arg, worlds_arg
+from .args import csv_list, factor_arg, nonneg_int, positive_float, positive_int, size_arg, worlds_arg
 from .metrics import human_bytes, size_sweep
 from .purlin_runner import Options, run_purlin
 
@@ -43,32 +45,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list (default: every collective with more than one algorithm)")
     p.add_argument("--min-bytes", type=size_arg, default=None, help="per-rank input, sweep start (default 1K)")
     p.add_argument("--max-bytes", type=size_arg, default=None, help="sweep end (default 16M GPU, 64K CPU)")
-    p.add_argument("--factor", type=float, default=None, help="sweep step (default 4)")
-    p.add_argument("--refine", type=int, default=None,
+    p.add_argument("--factor", type=factor_arg, default=None, help="sweep step (default 4)")
+    p.add_argument("--refine", type=nonneg_int, default=None,
                    help="times to halve the step (geometrically) where the fastest algorithm changes between two "
                         "measured sizes: the midpoint is measured too (default 2 GPU: a crossover then lies within "
                         "a factor 4^(1/4) = 1.41 of its measured size; 0 CPU)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--iters", type=int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 5 GPU, 1 CPU)")
-    p.add_argument("--graph-calls", type=int, default=20, help="calls per timed graph replay (CUDA)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed repetitions (default 20 GPU, 5 CPU)")
+    p.add_argument("--warmup", type=nonneg_int, default=None, help="untimed repetitions first (default 5 GPU, 1 CPU)")
+    p.add_argument("--graph-calls", type=positive_int, default=20, help="calls per timed graph replay (CUDA)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0, help="timeout_s of each communicator")
+    p.add_argument("--timeout", type=positive_float, default=60.0, help="timeout_s of each communicator")
     p.add_argument("--out", default="tuning-table.json", help="where the table is written")
 
 
 def candidates(device: str, names: list[str] | None) -> dict[str, tuple[str, ...]]:
-    """Collective -> the algorithms to time, for those with more than one on this engine."""
+    """Collective -> the algorithms to time, for those with more than one on this engine.
+
+    Raises PurlinValueError for a name that is not in the catalog or, among ``names``, one that has
+    nothing to choose between here (one algorithm, or a V form)."""
     from ..collectives import CATALOG
+    from ..errors import PurlinValueError
     from ..snac import algorithms_of
 
     unknown = [n for n in names or () if n not in CATALOG]
     if unknown:
-        raise ValueError(f"tune: unknown collective(s) {unknown}; choose from {list(CATALOG)}")
-    found = {n: algorithms_of(CATALOG[n], packets=device == "cuda") for n in names or CATALOG}
+        raise PurlinValueError(f"tune: unknown collective(s) {unknown}; choose from {list(CATALOG)}")
+    found = {n: algorithms_of(CATALOG[n], packets=device == "cuda") for n in CATALOG}
     # V forms: not tuned (a table's bands are keyed by this rank's input bytes, which differ between
     # the ranks of a V call; the planner ignores bands for them and uses tuning.packet_max_bytes)
-    return {n: a for n, a in found.items() if len(a) > 1 and not CATALOG[n].variable}
+    tunable = {n: a for n, a in found.items() if len(a) > 1 and not CATALOG[n].variable}
+    untunable = [n for n in names or () if n not in tunable]
+    if untunable:
+        why = ", ".join(f"{n} ({'a V form' if CATALOG[n].variable else 'only ' + found[n][0]})" for n in untunable)
+        raise PurlinValueError(f"tune: nothing to choose between for {why} on the {device} engine; "
+                               f"--collectives takes those with more than one algorithm here: {', '.join(tunable)}")
+    return {n: tunable[n] for n in names} if names else tunable
 
 
 def bands(times: dict[int, dict[str, float]]) -> list[list]:
@@ -106,21 +118,23 @@ def run(args: argparse.Namespace) -> int:
     from ..snac.planner import packet_push_bytes
     from ..snac.policy import PACKET_WINDOW_BYTES
     from ..collectives import CATALOG
+    from ..engines import cuda_engine_status
+    from ..errors import PurlinValueError
     from .. import __version__
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    why = cuda_engine_status() if device == "cuda" else ""
+    if why:
+        raise PurlinValueError(f"tune: --device cuda, but {why}; use --device cpu")
     worlds, lo, hi, factor, iters, warmup, refine = _DEFAULTS[device]
     worlds = args.worlds or worlds
     iters, warmup = args.iters or iters, warmup if args.warmup is None else args.warmup
     refine = refine if args.refine is None else args.refine
     try:
         sizes = size_sweep(args.min_bytes or lo, args.max_bytes or hi, args.factor or factor)
-        todo = candidates(device, args.collectives)
-        if iters < 1 or warmup < 0 or args.graph_calls < 1 or refine < 0:
-            raise ValueError("tune: need --iters >= 1, --warmup >= 0, --graph-calls >= 1, --refine >= 0")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise PurlinValueError(f"tune: {e}; use --min-bytes <= --max-bytes") from None
+    todo = candidates(device, args.collectives)
     dtype = DTYPES[args.dtype]
     mode = "graph" if device == "cuda" else "eager"
     sys.stderr.write(f"tune: {device} ({_device_name(device)}), worlds {worlds}, {len(sizes)} sizes "
@@ -183,12 +197,15 @@ def run(args: argparse.Namespace) -> int:
              "placement": "one_gpu" if device == "cuda" else "any",
              "dtype": args.dtype, "mode": mode, "iters": iters, "warmup": warmup,
              "entries": entries, "measurements": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(table, indent=1))
-    for world, per in entries.items():
-        for name, bs in per.items():
-            print(f"world {world} {name:<16}" + "  ".join(f"<={human_bytes(b)} {a}" for b, a in bs))
-    print(f"wrote {args.out} ({len(rows)} measurements)")
+    if rows:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(table, indent=1))
+        for world, per in entries.items():
+            for name, bs in per.items():
+                print(f"world {world} {name:<16}" + "  ".join(f"<={human_bytes(b)} {a}" for b, a in bs))
+        print(f"wrote {args.out} ({len(rows)} measurements)")
     for f in failures:
         print(f"error: {f}")
-    return 1 if failures else 0
+    if not rows:
+        print(f"error: tune: nothing was measured, so no table was written to {args.out}")
+    return 1 if failures or not rows else 0

@@ -7,8 +7,9 @@ built by name with :func:`create` (:func:`create_moe`); the classes are imported
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,9 +48,50 @@ def cuda_engine_status() -> str:
         parts.append(f"the native library was built without CUDA: {info.get('reason') or 'unknown reason'}")
     if not torch.cuda.is_available():
         parts.append("no CUDA GPU is visible to torch")
+    elif info.get("cuda"):
+        parts.append(_arch_gap(info.get("archs") or []))
+    parts = [p for p in parts if p]
     if parts:
         return "the CUDA engine cannot run: " + "; ".join(parts)
     return ""
+
+
+def _arch_gap(archs: list) -> str:
+    """Why this process's GPU cannot run kernels built for ``archs`` ("" if it can): it is older than all of them."""
+    built = [int(m.group()) for a in archs if (m := re.match(r"\d+", str(a)))]
+    major, minor = torch.cuda.get_device_capability()
+    sm = 10 * major + minor
+    if built and sm < min(built):
+        return (f"the GPU is sm_{sm}, older than every architecture the native library was built for "
+                f"({', '.join(map(str, archs))}); reinstall with PURLIN_CUDA_ARCHS={sm}")
+    return ""
+
+
+class CommunicatorKind(NamedTuple):
+    """A communicator this version can build: ``engine``, ``mode`` ("virtual": run_virtual; "group": a
+    Communicator over a process group) and ``memory`` (the provider), with why it cannot be built here:
+    ``engine_why`` (the engine cannot run) and ``memory_why`` (the provider lacks something); "" if not."""
+
+    engine: str
+    mode: str
+    memory: str
+    engine_why: str
+    memory_why: str
+
+
+def communicators() -> list[CommunicatorKind]:
+    """Every communicator this version can build, and whether it can here (what ``purlin-sglang info``
+    reports). Loads no memory provider and allocates nothing."""
+    from ..memory.status import provider_status
+
+    out = []
+    for eng in ENGINES:
+        engine_why = cuda_engine_status() if eng.device_type == "cuda" else ""
+        for mode, memories in (("virtual", eng.virtual_memories), ("group", eng.memories)):
+            for mem in memories:
+                if eng.name != "cuda" or mem in _CUDA_READY[mode]:
+                    out.append(CommunicatorKind(eng.name, mode, mem, engine_why, provider_status(mem)))
+    return out
 
 
 def select_engine(device: torch.device, memory: str, *, virtual: bool = False) -> tuple[EngineInfo, str]:

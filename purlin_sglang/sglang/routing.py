@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from ..config import PurlinConfig
+from ..config_model import ConfigModel
 from ..errors import PurlinConfigError
 
 MiB = 1024 * 1024
@@ -26,10 +27,8 @@ MiB = 1024 * 1024
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_v", "reduce_scatter_v", "all_to_all")
 
 
-class OpRoute(BaseModel):
+class OpRoute(ConfigModel):
     """When one op goes to purlin: ``enabled`` and ``min_bytes <= payload <= max_bytes``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
     min_bytes: int = Field(0, ge=0)
@@ -39,7 +38,7 @@ class OpRoute(BaseModel):
         return self.enabled and self.min_bytes <= nbytes <= self.max_bytes
 
 
-class RoutingTable(BaseModel):
+class RoutingTable(ConfigModel):
     """Per-op routes, and the SGLang groups that get a purlin communicator at all.
 
     The byte limits are the configured defaults, not measured crossovers: purlin's CUDA
@@ -49,8 +48,6 @@ class RoutingTable(BaseModel):
     purlin communicator, each with its own staging: by default the groups that carry the
     model's collectives; ``None`` = every group of more than one rank (also ``world``, ``pp``, ...).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     all_reduce: OpRoute = OpRoute(max_bytes=8 * MiB)
     all_gather: OpRoute = OpRoute()
@@ -96,10 +93,8 @@ def for_deterministic_inference(table: RoutingTable) -> tuple[RoutingTable, list
     return (table.model_copy(update=changes) if changes else table), notes
 
 
-class PluginConfig(BaseModel):
+class PluginConfig(ConfigModel):
     """What ``--purlin-config`` holds: the communicator's config and the routing table."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     purlin: PurlinConfig = Field(default_factory=PurlinConfig)
     routing: RoutingTable = Field(default_factory=RoutingTable)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ..config_model import ConfigModel
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
 # Payload of one push, one rank to another per call (the receive window); the windows take
@@ -19,7 +21,7 @@ def max_items(world: int) -> int:
     return world + 1
 
 
-class TuningPolicy(BaseModel):
+class TuningPolicy(ConfigModel):
     """How the planner chooses between the latency and the throughput regime.
 
     * ``algorithm``: where the engine has the packet protocol (the CUDA engine; the CPU engine
@@ -48,8 +50,6 @@ class TuningPolicy(BaseModel):
     * ``max_chunk_bytes``: the largest chunk; chunks are otherwise as large as the
       staging budget allows, so small payloads run in a single chunk.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     algorithm: Literal["auto", "packet", "oneshot", "twoshot"] = "auto"
     packet_max_bytes: int = Field(64 * 1024, ge=0, le=PACKET_WINDOW_BYTES)  # measured: RESULTS.md

@@ -152,20 +152,18 @@ def test_wrong_result_exits_nonzero(tmp_path, capsys, monkeypatch):
     assert " NO" in text and "2 of 4 results correct" in text
 
 
-def test_graph_mode_on_cpu_is_skipped_with_reason(tmp_path, capsys):
-    rc = cli.main(TINY + ["--collectives", "broadcast", "--modes", "eager,graph", "--out", str(tmp_path)])
-    text = capsys.readouterr().out
-    assert rc == 0
-    assert "skipped: purlin mode=graph: graph mode needs CUDA" in text
-
-
-def test_gpu_baselines_skipped_on_cpu(tmp_path, capsys):
-    rc = cli.main(TINY + ["--collectives", "all_reduce", "--baselines", "nccl,symm_mem,sglang",
-                          "--out", str(tmp_path)])
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert rc == 0
-    assert {s["impl"] for s in data["skipped"]} == {"nccl", "symm_mem", "sglang"}
-    assert all("needs CUDA" in s["reason"] for s in data["skipped"])
+@pytest.mark.parametrize("argv,says", [
+    (["--collectives", "broadcast", "--modes", "eager,graph"],
+     "bench collectives: --modes graph needs CUDA (CUDA graphs), but the device is cpu"),
+    (["--collectives", "all_reduce", "--baselines", "nccl,symm_mem,sglang"],
+     "baseline(s) ['nccl', 'symm_mem', 'sglang'] cannot run on the cpu engine"),
+], ids=["graph-mode", "gpu-baselines"])
+def test_what_needs_cuda_is_refused_on_cpu_before_anything_runs(argv, says, tmp_path, capsys):
+    out = tmp_path / "res"
+    rc = cli.main(TINY + argv + ["--out", str(out)])
+    text = capsys.readouterr()
+    assert rc == 2 and text.out == "" and says in text.err
+    assert not out.exists()
 
 
 def test_module_entry_point(tmp_path):
