@@ -3,6 +3,7 @@ truth about CUDA; an argument or config error is one line on stderr and exit cod
 traceback too); a run that checked or measured nothing does not exit 0."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,13 +83,27 @@ def test_multiprocess_example_runs():
     assert r.stdout.count("correct") == 2
 
 
-def test_readme_test_command_is_what_ci_runs():
+def _readme_bash_blocks() -> list[str]:
     readme = (ROOT / "README.md").read_text()
+    return [b.split("```", 1)[0].strip() for b in readme.split("```bash")[1:]]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The line after '# README test command' in .ci/run is, verbatim, a bash block of the README."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = ci[ci.index("# README test command") + 1].strip()
+    assert command in _readme_bash_blocks(), f"README has no bash block equal to .ci/run's {command!r}"
+
+
+def test_readme_demo_and_tests_use_separate_venvs():
+    """The demo installs torch into a venv of its own: the test set-up (torch 2.14.1 with its CUDA
+    runtime wheels) must not replace it silently."""
+    blocks = _readme_bash_blocks()
+    demo = next(b for b in blocks if "purlin-sglang demo" in b)
+    demo_venv = re.search(r"python3 -m venv (\S+)", demo).group(1)
     ci = (ROOT / ".ci" / "run").read_text()
-    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash")[1:]]
-    assert len(blocks) == 2, "README must have exactly two set-up commands"
-    assert blocks[1] in ci
-    assert "purlin-sglang demo" in blocks[0]
+    test_venv = re.search(r"install-sglang-cpu\.sh (\S+)", ci).group(1)
+    assert demo_venv.rstrip("/") != test_venv.rstrip("/"), (demo_venv, test_venv)
 
 
 # -- errors: one line on stderr, exit code 2 ------------------------------------------------------------

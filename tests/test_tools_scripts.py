@@ -12,7 +12,7 @@ SCRIPTS = sorted(TOOLS.glob("*.sh"))
 
 
 def test_there_are_scripts():
-    assert {p.name for p in SCRIPTS} >= {"gpu-session.sh", "gpu-serve.sh", "gpu-moe.sh", "gpu-eager-ab.sh"}
+    assert {p.name for p in SCRIPTS} >= {"gpu-serve.sh", "gpu-moe.sh", "gpu-eager-ab.sh"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -25,7 +25,7 @@ GPU_TEST_SCRIPTS = [p for p in SCRIPTS if p.name.startswith("gpu-") and "-m pyte
 
 
 def test_the_gpu_test_scripts_are_found():
-    assert {p.name for p in GPU_TEST_SCRIPTS} >= {"gpu-session.sh", "gpu-moe.sh"}
+    assert {p.name for p in GPU_TEST_SCRIPTS} >= {"gpu-moe.sh"}
 
 
 @pytest.mark.parametrize("script", GPU_TEST_SCRIPTS, ids=lambda p: p.name)
@@ -39,12 +39,12 @@ def test_eager_ab_refuses_an_unknown_step(tmp_path):
     assert r.returncode == 2 and "usage" in r.stderr
 
 
-def test_issue16_table_reads_the_kept_records_and_a_missing_record_stays_empty(tmp_path):
-    """tools/issue16_table.py prints issue 16's table from the tenth session's records (docs/results):
-    each row from its own record, nothing filled in where a record is missing."""
+def test_target_table_reads_the_kept_records_and_a_missing_record_stays_empty(tmp_path):
+    """tools/issue16_table.py prints the latency and bandwidth targets' table from the H200 records of
+    2026-12-05 (docs/results): each row from its own record, nothing filled in where a record is missing."""
     import sys
 
-    prefix = Path(__file__).resolve().parents[1] / "docs/results/2026-12-05-h200-s10"
+    prefix = Path(__file__).resolve().parents[1] / "docs/results/2026-12-05-h200"
     r = subprocess.run([sys.executable, str(TOOLS / "issue16_table.py"), str(prefix)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line for line in r.stdout.splitlines()[2:]}

@@ -67,8 +67,8 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
         r, dev, stream = comm.rank, comm.device, rank_stream(comm)
         # One capture stream per rank for the whole run, made here once: torch's 32 pooled streams
         # go round robin, so a stream made per case would soon be another rank's capture or replay
-        # stream, and two ranks on one stream wait for each other (the timeouts and "invalid
-        # argument" errors of the 2026-12-02 long sweep, docs/RESULTS.md).
+        # stream, and two ranks on one stream wait for each other (timeouts, or CUDA's "invalid
+        # argument" when one rank enqueues into a stream another rank is capturing).
         side = torch.cuda.Stream(dev) if mode == "graph" and dev.type == "cuda" else None
         mine = []
         for ci, case in enumerate(cases):
@@ -177,8 +177,8 @@ def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda
                 g.capture_end()
     # No rank replays before every rank has captured: a replayed call waits for the other ranks'
     # kernels, and a rank still capturing may block in CUDA (graph instantiation) until the device's
-    # running work ends, which would then wait for each other until the timeout. Seen once in a long
-    # 8-rank sweep on the H200 (docs/RESULTS.md, 2026-12-02); bench_cuda_engine.py has this barrier.
+    # running work ends, which would then wait for each other until the timeout.
+    # bench_cuda_engine.py has this barrier too.
     barrier.wait()
     stage("replays")
     samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)

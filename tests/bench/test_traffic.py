@@ -1,5 +1,5 @@
 """bench/traffic.py: the bytes a plan reads and writes, counted by hand for the plans whose ratio to the
-bench's copy floor the performance notes quote (docs/RESULTS.md, seventh session)."""
+bench's copy floor docs/RESULTS.md quotes (the plan max of the staged and direct plans)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where the staged one-shot's latency goes: the 8 KiB all_reduce one-shot schedule with parts taken out,
-each timed in CUDA graphs as the engine bench times a collective (issue 16: "a one-shot that is not
-flat at 28 us: why is it 4x the packet path at 8 KiB?").
+each timed in CUDA graphs as the engine bench times a collective: why the staged one-shot costs
+three times the packet path at 8 KiB.
 
 Each variant is the real one-shot schedule of every rank (planner + lowering, as a call would make it)
 with some op kinds removed, run through the CUDA engine directly (no call path), in a fresh loopback

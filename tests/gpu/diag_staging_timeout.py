@@ -1,8 +1,8 @@
 """Diagnostic (not a test): repeat test_payloads_larger_than_staging[*-8]'s sequence (8 loopback
 ranks, 8 KiB staging, a new op table per call) and print every rank's error, with the op-table
-upload of the engine (pinned mirror + copy kernel on the rank's stream) and with the upload it
-replaced (a synchronous pageable host-to-device copy), to check the cause of the intermittent
-world-8 timeout seen on 2026-12-02.
+upload of the engine (pinned mirror + copy kernel on the rank's stream) and with a synchronous
+pageable host-to-device copy instead, which stalls the other loopback ranks' launches until they
+time out at 8 ranks.
 
     python3 -P tests/gpu/diag_staging_timeout.py [--reps 3] [--blocks 16,8]
 """
@@ -46,7 +46,7 @@ def run(world, cases, cfg):
 
 
 def pageable_put(self, words, lib, stream):
-    """The upload the engine used until 2026-12-03: a synchronous copy from pageable memory."""
+    """The upload the engine avoids: a synchronous copy from pageable memory."""
     n = max(1, int(words.size))
     cur = self.chunks[-1]
     assert self.used + n <= cur.numel(), "diag: arena full"

@@ -217,7 +217,8 @@ def _heap_worker(rank, world, memory, seed):
 
 
 def test_a_cuda_process_group_reads_heap_inputs_in_place():
-    """Written in the ninth session without a GPU: not yet run."""
+    """Two processes on one GPU (ipc): inputs in the symmetric heap are read in place by the peer's
+    kernels (direct one-shot and two-shot), bitwise the CPU engine."""
     seed = int.from_bytes(os.urandom(3), "little")
     res = launch(_heap_worker, 2, "ipc", seed, timeout_s=240, env=ENV)
     for bad, algs in res:

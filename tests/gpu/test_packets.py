@@ -80,7 +80,7 @@ def test_all_to_all_v_runs_hybrid_with_pairs_on_both_sides_of_the_limit(world):
     (the packet kernel), larger ones through a one-shot of those pairs (the interpreter, after it on the
     same stream), each such pair exchanging one empty packet; calls all small (no staged kernel on any
     rank), all large, empty on every rank, a packet all_reduce and a staged all_gather in between;
-    bitwise the CPU engine. Written in the ninth session without a GPU: not yet run."""
+    bitwise the CPU engine."""
     cfg = {**CFG, "tuning": {"packet_max_bytes": 200}}
     algs = ps.run_virtual(world, lambda comm: comm.algorithm("all_to_all_v", 64), device="cuda", config=cfg)
     assert algs == ["hybrid"] * world

@@ -1,8 +1,7 @@
 """The symmetric heap and the direct plans on the GPU (loopback ranks on one GPU): inputs allocated with
 ``Communicator.symmetric_empty`` are read in place by the peers' kernels (STAGE refs past staging),
 bitwise the CPU engine running the same direct plans; and in CUDA graphs, the heap inputs rewritten
-before every replay while the ranks replay concurrently. Written in the ninth session without a GPU:
-not yet run."""
+before every replay while the ranks replay concurrently."""
 
 from __future__ import annotations
 

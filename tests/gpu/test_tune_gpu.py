@@ -29,7 +29,7 @@ def test_a_short_cuda_tune_writes_verified_entries(tmp_path, capsys):
     assert data["placement"] == "one_gpu"  # measured on virtual ranks of one GPU
     table = load_table(str(out))
     assert table.worlds == (2,)
-    # every fixed collective with two algorithms here: broadcast too since its packet form (eighth session)
+    # every fixed collective with two algorithms here: broadcast too (packets or one-shot)
     assert set(table.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     correct = {(r["collective"], r["bytes"], r["algorithm"]) for r in data["measurements"] if r["correct"]}
     assert all(r["correct"] for r in data["measurements"])

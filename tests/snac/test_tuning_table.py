@@ -219,7 +219,7 @@ def test_info_shows_the_table_in_force(tmp_path, capsys):
 
 def test_the_shipped_tables_are_the_default_where_they_were_measured_only():
     """purlin_sglang/tables/ ships two tables, each measured with virtual ranks on one GPU: h100-one-gpu.json
-    (the eleventh session, an H100 80GB HBM3) and h200-one-gpu.json (the seventh, an H200). With
+    (an H100 80GB HBM3, refined crossovers) and h200-one-gpu.json (an H200). With
     tuning.table unset each steers virtual worlds on its own GPU model and nothing else;
     tuning.table: thresholds turns them off."""
     from purlin_sglang.snac.table import THRESHOLDS, bands_for, shipped_tables
@@ -241,7 +241,7 @@ def test_the_shipped_tables_are_the_default_where_they_were_measured_only():
     assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8,
                             bands=used.bands["all_reduce"]) == "oneshot"
     assert choose_algorithm(CATALOG["all_reduce"], 1 << 20, TuningPolicy(), packets=True, world=8) == "twoshot"
-    # world 8, 128 KiB all_reduce: packets (the 256 KiB window, seventh session), one-shot by the thresholds
+    # world 8, 128 KiB all_reduce: packets (within the 256 KiB window), one-shot by the thresholds
     assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8,
                             bands=used.bands["all_reduce"]) == "packet"
     assert choose_algorithm(CATALOG["all_reduce"], 128 << 10, TuningPolicy(), packets=True, world=8) == "oneshot"
