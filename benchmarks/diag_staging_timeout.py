@@ -4,7 +4,7 @@ upload of the engine (pinned mirror + copy kernel on the rank's stream) and with
 replaced (a synchronous pageable host-to-device copy), to check the cause of the intermittent
 world-8 timeout seen on 2026-12-02.
 
-    python3 -P tests/gpu/diag_staging_timeout.py [--reps 3] [--blocks 16,8]
+    python3 benchmarks/diag_staging_timeout.py [--reps 3] [--blocks 16,8]
 """
 
 from __future__ import annotations
