@@ -197,6 +197,21 @@ def test_a_script_runs_against_the_build_and_the_budget_stops_the_run(tmp_path):
     assert demo.split()[:2] == ["demo", "skip"]
 
 
+def test_pack_leaves_one_archive_of_everything_under_out(tmp_path):
+    (tmp_path / "work" / "new" / "purlin_sglang").mkdir(parents=True)
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    (tmp_path / "fails.py").write_text("raise SystemExit('no luck')\n")
+    out = tmp_path / "out"
+    r = gpu("--out", str(out), "--work", str(tmp_path / "work"), "--pack",
+            "script", str(tmp_path / "hello.py"), "script", str(tmp_path / "fails.py"))
+    assert r.returncode == 1
+    assert [x.split()[:2] for x in r.stdout.splitlines()[:2]] == [["script-hello", "ok"], ["script-2-fails", "FAIL"]]
+    assert [p.name for p in out.iterdir()] == ["out.tar.gz"]
+    with tarfile.open(out / "out.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["./script-2-fails.log", "./script-hello.log"]
+        assert tar.extractfile("./script-hello.log").read() == b"hello\n"
+
+
 def test_serve_runs_each_named_run_once_in_the_order_given(tmp_path):
     cmds, steps = dry(tmp_path, "serve", "--runs", "tp1,core", "--prompts", "8")
     clients = [c for c in cmds if "serve_client.py run" in c]
