@@ -28,12 +28,12 @@ Options (before the first step):
   --budget SECONDS no step starts after SECONDS and a running one is stopped then (default: no
                    limit; for a 600 s device call, --budget 540)
   --keep-going     run every step, even after one failed
-  --pack           at the end, pack everything under --out into OUT/out.tar.gz (one file to carry)
+  --pack           at the end, pack everything under --out into OUT/out.tar.gz (one file to fetch)
   --dry-run        print the commands the steps would run; run nothing, write nothing
   -h, --help       this text
 
-Steps (a step's ARGS are the words up to the next step name; to pass a word that is a step name,
-attach it to its option, e.g. -kmoe):
+Steps (a step's ARGS are the words up to the next step name, but for ab's MODE; to pass a word that
+is a step name, attach it to its option, e.g. -kmoe):
   setup                  install the wheels, build and install this tree (python3 -m pip install
                          --no-build-isolation --no-deps --target WORK/new .), print GPU and driver
   test [PYTEST-ARGS]     the GPU tests, PURLIN_REQUIRE_GPU=1 (a GPU test that skips fails);
