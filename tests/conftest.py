@@ -1,10 +1,13 @@
 """Shared test set-up.
 
-* GPU tests are marked ``gpu`` and skip cleanly without a CUDA GPU.
+* GPU tests are marked ``gpu`` and skip cleanly without a CUDA GPU. This is the one place that decides
+  it: a test module marks itself (``pytestmark = pytest.mark.gpu``) and repeats no skip of its own;
+  without a GPU the skip given here is the one reported, whatever other skips the module has.
 * CI switches that turn specific skips into failures, where the environment promises what the
   skipped tests need: ``PURLIN_REQUIRE_SGLANG=1`` (SGLang is installed: a test skipped because
   ``sglang`` or a part of it does not import fails) and ``PURLIN_REQUIRE_GPU=1`` (a CUDA GPU is
-  there: a test skipped for want of one fails). ``.ci/run`` sets the first, tools/gpu-*.sh the second.
+  there: a test skipped for want of one fails). ``.ci/run`` sets the first, the ``test`` step of
+  tools/gpu.sh the second.
 """
 
 import os
@@ -24,10 +27,13 @@ REQUIRED = (
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason=GPU_SKIP)
+    # a skipif put first on the item: pytest evaluates skipif marks before skip marks, in order, the
+    # item's own before its module's, so another skip of the test or its module ("needs sglang",
+    # "needs two GPUs") cannot hide this one
+    skip = pytest.mark.skipif(True, reason=GPU_SKIP)
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(skip, append=False)
 
 
 def _skip_reason(report) -> str:

@@ -4,6 +4,7 @@ they name into failures, and leave every other skip alone (a pytest run in a sub
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,12 +33,28 @@ def test_other_skip():
 '''
 
 
-def _run(tmp_path: Path, env_set: dict) -> str:
+GPU_MODULE = '''import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(True, reason="NVSHMEM is not usable in this installation")]
+
+
+def test_marked_gpu():
+    pass
+
+
+@pytest.mark.skipif(True, reason="needs two GPUs")
+def test_marked_gpu_needing_two():
+    pass
+'''
+
+
+def _run(tmp_path: Path, env_set: dict, files: dict | None = None) -> str:
+    """pytest in a subprocess on ``files`` (name -> source) with the repo's conftest.py, no GPU visible."""
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
-    (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
-    (tmp_path / "test_runtime_skips.py").write_text(RUNTIME_SKIPS)
+    for name, text in (files or {"test_module_skip.py": MODULE_SKIP, "test_runtime_skips.py": RUNTIME_SKIPS}).items():
+        (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PURLIN_REQUIRE_")}
-    env.update(env_set)
+    env.update(env_set, CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return res.stdout + res.stderr
@@ -54,3 +71,24 @@ def test_require_switches_turn_only_their_skips_into_failures(tmp_path, env_set,
     assert want in out, out
     for switch in env_set:
         assert f"{switch}=1: this skip is a failure" in out, out
+
+
+@pytest.mark.parametrize("env_set,want", [({}, "2 skipped"), ({"PURLIN_REQUIRE_GPU": "1"}, "2 errors")])
+def test_without_a_gpu_the_gpu_marker_skips_first(tmp_path, env_set, want):
+    """A gpu-marked test with other skips of its own or of its module is skipped for want of a GPU (the
+    reason PURLIN_REQUIRE_GPU=1 turns into a failure: of the set-up, where marks skip), not for the
+    other reasons."""
+    out = _run(tmp_path, env_set, {"test_gpu_module.py": GPU_MODULE})
+    assert want in out, out
+    reported = [line for line in out.splitlines() if line.startswith(("SKIPPED", "FAILED", "ERROR"))]
+    assert len(reported) == 2 and all("needs a CUDA" in line for line in reported), out
+
+
+def test_the_gpu_skip_is_decided_once():
+    """Every module of tests/gpu carries the gpu marker, and no test module repeats its skip with a
+    skipif of its own on torch.cuda.is_available()."""
+    tests = Path(__file__).parent
+    unmarked = [p.name for p in (tests / "gpu").glob("test_*.py") if "pytest.mark.gpu" not in p.read_text()]
+    repeats = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
+               if re.search(r"skipif\(\s*not torch\.cuda\.is_available\(\)", p.read_text())]
+    assert not unmarked and not repeats, f"without the gpu marker: {unmarked}; repeating its skip: {repeats}"

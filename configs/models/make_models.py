@@ -12,7 +12,7 @@ models' vocab_size is the tokenizer's, so every id the model can emit decodes.
 - ``llama-dense-8l``: LlamaForCausalLM, hidden 4096, 32 attention heads, 8 KV heads (head_dim 128),
   intermediate 14336, 8 layers: Llama-3-8B's layer shape, 8 of its 32 layers (TP 1, 2, 4, 8).
 - ``olmo-dense-8l``: OlmoForCausalLM (OLMo-1-7B's layer shape: hidden 4096, 32 heads, multi-head KV,
-  intermediate 11008, SwiGLU, weightless LayerNorm), 8 layers. The dense model tools/gpu-serve.sh serves:
+  intermediate 11008, SwiGLU, weightless LayerNorm), 8 layers. The dense model ``tools/gpu.sh serve`` serves:
   SGLang 0.5.23's Llama and Qwen2/3 MLPs import ``cutlass`` (nvidia-cutlass-dsl, for their DualGemm) on every
   CUDA start, and the carried wheel set has no cutlass (docs/SGLANG.md, "Serving on the GPU machine").
 - ``qwen3-moe-4l``: Qwen3MoeForCausalLM, hidden 2048, 32 heads, 4 KV heads (head_dim 128), 4 layers, every

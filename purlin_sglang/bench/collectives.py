@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=None, help="timed iterations (default 20 GPU, 10 CPU)")
     p.add_argument("--warmup", type=nonneg_int, default=None, help="untimed iterations first (default 5 GPU, 2 CPU)")
     p.add_argument("--graph-calls", type=positive_int, default=50,
-                   help="calls captured in one graph (graph mode; 50, as tests/gpu/bench_cuda_engine.py: with "
+                   help="calls captured in one graph (graph mode; 50, as benchmarks/bench_cuda_engine.py: with "
                         "few calls per replay the rank threads' launches, not the GPU, set the pace)")
     p.add_argument("--rotate", type=positive_int, default=3,
                    help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")

@@ -55,7 +55,7 @@ def time_graph_replays(graph: Any, side: Any, calls: int, warmup: int, iters: in
 def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 5) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` calls, each timed alone with CUDA events on the
     current stream (the host waits after every call), after ``warmup`` untimed calls. (The atom
-    benchmarks, tests/gpu/bench_*_atom.py.)"""
+    benchmarks, benchmarks/bench_*_atom.py.)"""
     import statistics
 
     import torch

@@ -1,4 +1,4 @@
-"""tests/gpu/bench_staged_parts.py without a GPU: each variant of the one-shot schedule is what its name
+"""benchmarks/bench_staged_parts.py without a GPU: each variant of the one-shot schedule is what its name
 says, encodes for the device, and cannot hang: every wait a rank keeps has the signals it waits for
 on the peer it names (a variant that dropped a signal but kept its wait would time out on the GPU)."""
 
@@ -16,7 +16,7 @@ from purlin_sglang.snac import (
     Copy, PacketPut, PacketReduce, Reduce, Signal, WaitDrainAll, WaitSignal, lower, make_plan, Sizes,
 )
 
-_PATH = Path(__file__).resolve().parents[1] / "gpu" / "bench_staged_parts.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_staged_parts.py"
 _spec = importlib.util.spec_from_file_location("bench_staged_parts", _PATH)
 bsp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bsp)

@@ -11,10 +11,7 @@ import torch
 
 import purlin_sglang as ps
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = pytest.mark.gpu
 W, H = 4, 128
 ROWS = (0, 1, 17, 2047)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)

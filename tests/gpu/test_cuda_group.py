@@ -20,10 +20,7 @@ from _workers import mismatches_vs_cpu  # noqa: E402
 
 from purlin_sglang.testing import launch  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = pytest.mark.gpu
 ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "CUDA_MODULE_LOADING": "EAGER"}
 # PyTorch refuses two ranks on one GPU unless told otherwise (memory/torch_symm.py).
 MEMORY_ENV = {"ipc": {}, "torch": {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}}

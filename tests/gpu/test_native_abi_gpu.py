@@ -17,10 +17,7 @@ from purlin_sglang.errors import PurlinBrokenError, PurlinCudaError
 from purlin_sglang.memory.loopback import LoopbackWorld
 from purlin_sglang.snac import Buf, Span
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,7 @@ from purlin_sglang.testing.collectives import (  # noqa: E402
 import purlin_sglang as ps  # noqa: E402
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
-]
+pytestmark = pytest.mark.gpu
 FORCED = {**CFG, "tuning": {"algorithm": "packet"}}
 
 

@@ -24,7 +24,7 @@ from purlin_sglang.testing import launch
 
 def _sglang_problem() -> str:
     if not torch.cuda.is_available():
-        return ""  # the GPU skip below says it
+        return ""  # the gpu marker skips it (tests/conftest.py)
     try:
         import sglang.srt.distributed.parallel_state  # noqa: F401
     except Exception as e:  # noqa: BLE001 - the skip reason
@@ -35,7 +35,6 @@ def _sglang_problem() -> str:
 _SGLANG = _sglang_problem()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
     pytest.mark.skipif(bool(_SGLANG), reason=f"needs sglang==0.5.23 importable ({_SGLANG})"),
 ]
 ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "CUDA_MODULE_LOADING": "EAGER"}

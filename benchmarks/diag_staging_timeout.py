@@ -4,7 +4,7 @@ upload of the engine (pinned mirror + copy kernel on the rank's stream) and with
 pageable host-to-device copy instead, which stalls the other loopback ranks' launches until they
 time out at 8 ranks.
 
-    python3 -P tests/gpu/diag_staging_timeout.py [--reps 3] [--blocks 16,8]
+    python3 benchmarks/diag_staging_timeout.py [--reps 3] [--blocks 16,8]
 """
 
 from __future__ import annotations

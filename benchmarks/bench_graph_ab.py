@@ -1,19 +1,17 @@
-"""The packet path's graph times, for an A/B of two builds in one device call (tools/gpu-graph-ab.sh runs
-this script for this build and for a baseline, alternating, several rounds).
+"""The packet path's graph times, for an A/B of two builds in one device call (``tools/gpu.sh ab graph``
+runs this script for this build and for a baseline, alternating, several rounds).
 
-    python3 -P bench_graph_ab.py --label new [--timings 5] [--cases 8k-w8,...]
+    python3 benchmarks/bench_graph_ab.py --label new [--timings 5] [--cases 8k-w8,...]
 
 One JSON line per case: the slowest rank's time per call (each rank's median of ``--timings`` timings
-of 20 replays x 50 captured calls; tests/gpu/bench_cuda_engine.py graph_case). A build without the
+of 20 replays x 50 captured calls; bench_cuda_engine.py graph_case). A build without the
 config key ``device_call_check`` (before ABI 8) runs each case once, labelled ``check: null``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import purlin_sglang as ps
 from purlin_sglang.engines import cuda as cuda_engine
@@ -30,9 +28,8 @@ def main() -> None:
     ap.add_argument("--timings", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
     a = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("bench_cuda_engine", Path(__file__).with_name("bench_cuda_engine.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import bench_cuda_engine as bench  # a sibling script: this folder is sys.path[0] when a script here runs
+
     has_check = hasattr(ps.PurlinConfig(), "device_call_check")
 
     def emit(name: str, check, r: dict) -> None:

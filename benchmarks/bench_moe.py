@@ -6,7 +6,7 @@ replays it; all ranks run at once, so a time is the wall time of one call on EVE
 once per destination rank, payload + header), summed over ranks; the copy ceiling is a device copy of
 the same byte count timed in the same run. Prints one JSON line per case.
 
-    python tests/gpu/bench_moe.py --world 8 --tokens 128 --hidden 7168 --topk 8 --experts 256
+    python3 benchmarks/bench_moe.py --world 8 --tokens 128 --hidden 7168 --topk 8 --experts 256
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""tools/gpu-serve-client.py against a fake SGLang HTTP server (no sglang, no GPU): readiness from the log,
+"""tools/serve_client.py against a fake SGLang HTTP server (no sglang, no GPU): readiness from the log,
 greedy batch requests, the chat endpoint, the record, and the token comparison with a reference run."""
 
 import http.server
@@ -11,7 +11,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("gpu_serve_client", os.path.join(ROOT, "tools", "gpu-serve-client.py"))
+spec = importlib.util.spec_from_file_location("serve_client", os.path.join(ROOT, "tools", "serve_client.py"))
 C = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(C)
 
@@ -64,14 +64,17 @@ def run(tmp_path, name, shift, reference="", ready=True, extra=()):
     return rc, json.loads((tmp_path / "runs" / f"{name}.json").read_text())
 
 
-def test_run_records_and_compare(tmp_path):
+def test_run_records_and_compare(tmp_path, capsys):
     rc, rec = run(tmp_path, "ref", 0)
     assert rc == 0 and rec["ok"] and rec["repeats_identical"] and rec["all_lengths_ok"]
     assert rec["output_tokens_total"] == 35 and rec["output_throughput_tok_s"] > 0
     assert rec["chat"]["content"] == "hi" and rec["plugin_log"] == ["purlin_sglang: group tp:0: 2 ranks"]
     assert run(tmp_path, "same", 0, "ref")[0] == 0
+    capsys.readouterr()
+    assert C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "compare: 2 runs, 2 ok; tokens match the reference in 1 of 1"
     assert run(tmp_path, "other", 3, "ref")[0] == 0
-    C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")])
+    assert C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")]) == 1
     rows = {r["name"]: r for r in json.loads((tmp_path / "serving.json").read_text())["runs"]}
     assert rows["ref"]["tokens_match_reference"] is None
     assert rows["same"]["tokens_match_reference"] is True and rows["same"]["prompts_matching"] == 5
@@ -82,9 +85,12 @@ def test_run_records_and_compare(tmp_path):
     assert rows["ref"]["top2_gap_min"] == 1.5 and rows["ref"]["logprob_error"] is None
 
 
-def test_server_that_never_gets_ready_is_a_failed_run(tmp_path):
+def test_server_that_never_gets_ready_is_a_failed_run(tmp_path, capsys):
     rc, rec = run(tmp_path, "late", 0, ready=False)
     assert rc == 1 and not rec["ok"] and "not ready" in rec["error"] and "tokens" not in rec
+    assert C.main(["compare", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "serving.json")]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "compare: 1 runs, 0 ok; tokens match the reference in 0 of 0; failed: late"
 
 
 def test_prompts_are_deterministic():

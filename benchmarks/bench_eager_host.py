@@ -1,6 +1,6 @@
 """Host time of an eager loopback all_reduce (8 KiB bf16), for an A/B of two builds in one device call.
 
-    python3 -P tests/gpu/bench_eager_host.py [--worlds 1,8] [--iters 2000] [--profile N] [--label L]
+    python3 benchmarks/bench_eager_host.py [--worlds 1,8] [--iters 2000] [--profile N] [--label L]
 
 Uses only the public API (``run_virtual``, ``Communicator.all_reduce``), so the same script times an
 older build (PYTHONPATH in front). Per world: the median and p90 over calls of the slowest rank's

@@ -1,6 +1,6 @@
 """Benchmark: the native reduce atom against torch's device-to-device copy (not a pytest test).
 
-    python tests/gpu/bench_reduce_atom.py [--mib 64] [--iters 20] [--json out.json]
+    python3 benchmarks/bench_reduce_atom.py [--mib 64] [--iters 20] [--json out.json]
 
 Each case: warm-up, then the median of ``--iters`` CUDA-event-timed calls. GB/s counts bytes
 read plus bytes written ((nsrc + 1) x size per source), like bench_copy_atom.py; "of copy" is the

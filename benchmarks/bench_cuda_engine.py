@@ -1,16 +1,14 @@
 """Loopback CUDA-engine timings on one GPU: small all_reduce inside a CUDA graph, a 64 MiB all_reduce
 (GB/s of the HBM bytes the plan moves), and the eager host overhead of a small call.
 
-    python3 -P tests/gpu/bench_cuda_engine.py [--world 8] [--json out.json]
+    python3 benchmarks/bench_cuda_engine.py [--world 8] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import threading
-from pathlib import Path
 
 import torch
 
@@ -68,7 +66,7 @@ def graph_case(world: int, nbytes: int, calls: int, replays: int, cfg: dict, tim
         out = torch.empty_like(x)
         comm.all_reduce(x, out=out)
         comm.synchronize()
-        # (comm._schedules: the builds before the call path, which tools/gpu-graph-ab.sh times with this script)
+        # (comm._schedules: the builds before the call path, which `tools/gpu.sh ab graph` times as baselines)
         sched = next(iter((comm._path.schedules if hasattr(comm, "_path") else comm._schedules).values()))
         us = _graph_time(lambda: comm.all_reduce(x, out=out), comm.synchronize, calls, replays, timings, barrier, lock)
         return us, plan_bytes(sched), sched.plan.algorithm
@@ -104,12 +102,10 @@ def floor_case(world: int, nbytes: int, calls: int, replays: int, timings: int =
 
 
 def eager_case(world: int, nbytes: int, iters: int) -> dict:
-    """Eager host time per call: tests/gpu/bench_eager_host.py's measurement (one copy of it), loaded
-    from its file (this script runs with ``python3 -P``: its folder is not on sys.path)."""
-    spec = importlib.util.spec_from_file_location("bench_eager_host", Path(__file__).with_name("bench_eager_host.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = mod.eager(world, iters, nbytes)
+    """Eager host time per call: bench_eager_host.py's measurement (one copy of it)."""
+    from bench_eager_host import eager  # a sibling script: this folder is sys.path[0] when a script here runs
+
+    r = eager(world, iters, nbytes)
     return {"world": world, "bytes_per_rank": nbytes, "host_us_per_call_median": r["median_us"],
             "host_us_per_call_p90": r["p90_us"], "eager_us_per_call": r["wall_us_per_call"]}
 

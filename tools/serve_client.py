@@ -1,8 +1,9 @@
-"""The client side of tools/gpu-serve.sh: wait for one SGLang server, drive it, record the run; compare runs.
+"""The client side of the serve step of tools/gpu.sh: wait for one SGLang server, drive it, record the run;
+compare runs.
 
-    gpu-serve-client.py run --url URL --log SERVER_LOG --pid PID --name NAME --out RUN.json [meta ...]
-    gpu-serve-client.py ab --urls A,B --names NA,NB --logs LA,LB --pids PA,PB --out AB.json [--rounds 12 ...]
-    gpu-serve-client.py compare --runs DIR --out SERVING.json
+    serve_client.py run --url URL --log SERVER_LOG --pid PID --name NAME --out RUN.json [meta ...]
+    serve_client.py ab --urls A,B --names NA,NB --logs LA,LB --pids PA,PB --out AB.json [--rounds 12 ...]
+    serve_client.py compare --runs DIR --out SERVING.json
 
 ``run``: waits until the server's log says it is ready (or the process dies, or --wait passes), sends
 ``--prompts`` greedy prompts (temperature 0, ``ignore_eos``: every prompt gives exactly ``--output-tokens``
@@ -24,7 +25,9 @@ lies inside 1 +- tolerance, ``differs`` if it lies wholly outside, else ``undeci
 servers gave the same greedy tokens. Writes AB.json.
 
 ``compare``: reads every RUN.json of a folder and, for each run that names ``--reference``, says whether
-its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format).
+its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format). Its last line
+counts the runs that went well and the token matches; exit status 1 if a run failed or gave other
+tokens than its reference.
 """
 
 from __future__ import annotations
@@ -289,7 +292,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
         print(f"{name:28s} ok={r.get('ok')} tok/s={r.get('output_throughput_tok_s')} "
               f"match[{ref}]={row['tokens_match_reference']} ratio={row.get('throughput_ratio_to_reference')}")
     Path(a.out).write_text(json.dumps({"runs": out}, indent=1))
-    return 0
+    matches = [r["tokens_match_reference"] for r in out if r["tokens_match_reference"] is not None]
+    failed = [r["name"] for r in out if not r.get("ok")]
+    print(f"compare: {len(out)} runs, {len(out) - len(failed)} ok; tokens match the reference in "
+          f"{sum(matches)} of {len(matches)}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed or not all(matches) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Benchmark: the native copy atom against torch's device-to-device copy (not a pytest test).
 
-    python tests/gpu/bench_copy_atom.py [--mib 256] [--iters 20] [--json out.json]
+    python3 benchmarks/bench_copy_atom.py [--mib 256] [--iters 20] [--json out.json]
 
 Each case: warm-up, then the median of ``--iters`` CUDA-event-timed calls. GB/s counts bytes
 read plus bytes written (2 x size), like the measured-facts table in ARCHITECTURE.md.

@@ -1,6 +1,6 @@
 """Host time of one small collective call, on a machine without a GPU (not a test).
 
-    python tests/bench/bench_host_overhead.py [--world 8] [--iters 20000] [--json out.json]
+    python3 benchmarks/bench_host_overhead.py [--world 8] [--iters 20000] [--json out.json]
 
 Two layers are timed per call with ``time.perf_counter_ns`` around each call (median and p90):
 
@@ -19,7 +19,7 @@ ctypes (a launch the library refuses before touching a device), and the loopback
 rendezvous alone in ``--world`` threads.
 
 What is NOT in these figures: the real stream lookup, the driver and the kernel launch. The GPU
-machine's eager figure (tests/gpu/bench_cuda_engine.py) includes them.
+machine's eager figure (benchmarks/bench_cuda_engine.py) includes them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the staged one-shot's latency goes: the 8 KiB all_reduce one-shot schedule with parts taken out,
-each timed in CUDA graphs as the engine bench times a collective: why the staged one-shot costs
-three times the packet path at 8 KiB.
+each timed in CUDA graphs as the engine bench times a collective (why a small one-shot costs several
+times the packet path at 8 KiB).
 
 Each variant is the real one-shot schedule of every rank (planner + lowering, as a call would make it)
 with some op kinds removed, run through the CUDA engine directly (no call path), in a fresh loopback
@@ -9,7 +9,7 @@ Variants only drop a signal together with every wait for it, so none can hang; t
 the drain or the signals let a rank overwrite staging a peer may still read, so their OUTPUTS ARE
 NOT CHECKED: they are timings of a protocol's parts, not collectives.
 
-    python3 -P tests/gpu/bench_staged_parts.py [--worlds 2,8] [--bytes 8192] [--json out.json]
+    python3 benchmarks/bench_staged_parts.py [--worlds 2,8] [--bytes 8192] [--json out.json]
 
 Reading: "full" minus "no drain-all" is what the drain of the previous call's acks costs on the
 critical path; "no drain-all" minus "no drain-all, no acks" the ack signals; "full" minus "sync
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import threading
-from pathlib import Path
 
 from purlin_sglang.collectives.catalog import ALL_REDUCE
 from purlin_sglang.snac import Copy, Reduce, Signal, Sizes, WaitDrainAll, WaitSignal, lower, make_plan
@@ -67,14 +65,6 @@ def variant(name: str, world: int, rank: int, nbytes: int, staging_bytes: int = 
     return dataclasses.replace(sched, ops=tuple(op for op in sched.ops if keep(op)))
 
 
-def _engine_bench():
-    """tests/gpu/bench_cuda_engine.py, loaded from its file (``python3 -P``: this folder is not on sys.path)."""
-    spec = importlib.util.spec_from_file_location("bench_cuda_engine", Path(__file__).with_name("bench_cuda_engine.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def time_variant(name: str, world: int, nbytes: int, calls: int = 50, replays: int = 20, timings: int = 5) -> dict:
     """Variant ``name`` at ``world`` ranks: every rank's schedule launched through its CudaEngine,
     ``calls`` per captured graph, timed as the engine bench times a collective (slowest rank)."""
@@ -84,7 +74,7 @@ def time_variant(name: str, world: int, nbytes: int, calls: int = 50, replays: i
     from purlin_sglang.engines.base import CallContext
     from purlin_sglang.engines.cuda_ops import encode
 
-    graph_time = _engine_bench()._graph_time
+    from bench_cuda_engine import _graph_time as graph_time  # a sibling script (this folder is sys.path[0])
     barrier, lock = threading.Barrier(world), threading.Lock()
 
     def fn(comm):
