@@ -18,14 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # fails on an entry that no longer has a finding, or no longer exists).
 ALLOWLIST: tuple[str, ...] = (
     "native/snac/packet.cuh",
-    "purlin_sglang/engines/cuda_moe.py",
-    "tools/gpu-eager-ab.sh",
-    "tools/gpu-graph-ab.sh",
-    "tools/gpu-issue16.sh",
-    "tools/gpu-moe.sh",
-    "tools/gpu-serve.sh",
-    "tools/gpu-session.sh",
-    "tools/issue16_table.py",
 )
 
 # Measured records are kept verbatim (what ran, as it was written down): their names are checked,

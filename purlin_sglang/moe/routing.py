@@ -77,8 +77,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=1) if x.shape[0] else torch.zeros(0, device=x.device)
     # amax / a tensor, not / a Python number: CUDA divides by a CPU scalar as a multiply by its
-    # reciprocal, which differs from the CPU's true division in the last bit (the H200 run of
-    # 2026-12-04 found the scales one ulp apart while every FP8 row matched).
+    # reciprocal, which differs from the CPU's true division in the last bit (the dispatch kernel divides
+    # with __fdiv_rn too: the engines' scales are bitwise equal).
     scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (xf / scale[:, None]).to(torch.float8_e4m3fn)
     return q, scale
