@@ -114,7 +114,7 @@ class CudaMoE:
         # Pinned staging of the eager count exchange (header and count matrix), moved by one-block copy
         # kernels on the caller's stream: no pageable copy and no copy engine on the call path (a
         # pageable copy there can keep a loopback rank's grid from becoming resident while its peers'
-        # grids wait for it: docs/DESIGN.md, loopback ranks).
+        # grids wait for it: the loopback caveat of docs/DESIGN.md).
         self._pin_up = torch.zeros(PIN_WORDS, dtype=torch.int64, pin_memory=True)
         self._pin_down = torch.zeros(PIN_WORDS * self.world, dtype=torch.int64, pin_memory=True)
         self._stream = None
