@@ -28,7 +28,7 @@ from ..errors import (
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule, registry
 from .base import describe_info, fold32, mismatch_message
-from .cuda_ops import KIND_NAMES, encode
+from .cuda_ops import ACK, BARRIER_KIND, DRAIN, KIND_NAMES, NOTIFY, PACKET_KIND, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
 HOST_ERROR_WORDS = native.SNAC_ERROR_WORDS  # the kernels' host-mapped record (native.SNAC_ERROR_FIELDS)
@@ -246,16 +246,16 @@ class CudaEngine:
             raise PurlinBrokenError(msg)
         kname = KIND_NAMES.get(kind, str(kind))
         what = {
-            "notify": f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
-            "ack": f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
-            "drain": f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
-            "barrier": "the other blocks of my own grid",
-            "packet": f"rank {peer}'s packets of packet call {target} (saw epoch {seen})",
-        }.get(kname, kname)
+            NOTIFY: f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
+            ACK: f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
+            DRAIN: f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
+            BARRIER_KIND: "the other blocks of my own grid",
+            PACKET_KIND: f"rank {peer}'s packets of packet call {target} (saw epoch {seen})",
+        }.get(kind, kname)
         msg = (f"{name}: rank {rank} waited {self.timeout_s:g}s at op #{index} ({kname} wait) for {what}. "
                f"Rank {peer} skipped this call or is stuck; the communicator is now broken")
         self.broken = self.broken or msg
-        missing = [peer] if kname != "barrier" else []
+        missing = [peer] if kind != BARRIER_KIND else []
         raise PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
 
     def _mismatch_message(self, name: str, rank: int, peer: int, mine: int, theirs: int) -> str:
