@@ -180,6 +180,7 @@ def _table_in_force(config_path: str | None, gpus: list[str]) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from . import native
     from .engines import cuda_engine_status
+    from .memory import providers
 
     b = native.build_info()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
@@ -193,6 +194,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             else f", no CUDA: {b.get('reason')}"),
         "GPU": ", ".join(gpus) if gpus else "none visible to torch",
         "engines": "cpu (reference): available; cuda: " + cuda_engine_status(),
+        "memory providers": providers.describe(),
         "NVSHMEM": _nvshmem(),
         "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "HBM held by communicators": "0 bytes (no CUDA communicators in this version)",

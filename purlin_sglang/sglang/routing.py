@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import PurlinConfig
 from ..errors import PurlinConfigError
+from ..memory import providers
 
 MiB = 1024 * 1024
 
@@ -132,6 +133,7 @@ class PluginConfig(BaseModel):
         if isinstance(report, bool) or not isinstance(report, (int, float)) or report < 0:
             raise PurlinConfigError(f"{source}: key 'report_interval_s': need seconds >= 0 (got {report!r})")
         purlin = PurlinConfig.from_dict(data, source=source)
+        providers.check_for_groups(purlin.memory, source)  # SGLang's ranks are processes of a group
         try:
             table = RoutingTable.model_validate(routing)
         except ValidationError as e:
