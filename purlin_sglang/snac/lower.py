@@ -120,9 +120,9 @@ class Schedule:
     send_bytes: tuple[int, ...]  # per peer: bytes of my staging that it reads
     recv_bytes: tuple[int, ...]  # per peer: bytes of its staging that I read
     staging_used: int  # high-water mark of my staging, bytes
-    # A hybrid plan's schedule: its packet part, then its staged part where this rank has one; ``ops``
-    # are theirs in that order. An engine runs the parts one after the other (the CUDA engine: the
-    # packet kernel, then the interpreter). Empty for every other plan.
+    # The schedule of an algorithm that runs in parts (registry kernel None; a hybrid plan's: its packet
+    # part, then its staged part where this rank has one); ``ops`` are theirs in that order. An engine
+    # runs the parts one after the other (the CUDA engine: each in its own kernel kind). Empty otherwise.
     parts: tuple["Schedule", ...] = ()
 
 
