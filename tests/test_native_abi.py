@@ -151,6 +151,10 @@ def test_native_checks_params_before_touching_a_device():
     p.world, p.blocks, p.arrive_slots, p.timeout_ns, p.bases[0] = 1, 1, 1, 1, 4096
     p.device = -2  # not a device
     assert lib.purlin_snac_execute(ctypes.byref(p), None) == CUDA_ERROR_INVALID_VALUE
+    p.device = -1
+    for kind in (-1, abi.KERNEL_PACKET + 1):  # not a kernel kind of purlin/encoding.h
+        p.packets = kind
+        assert lib.purlin_snac_execute(ctypes.byref(p), None) == CUDA_ERROR_INVALID_VALUE
     m = native.MoeParams()
     m.device = 99
     assert lib.purlin_moe_dispatch(ctypes.byref(m), None) == CUDA_ERROR_INVALID_VALUE
