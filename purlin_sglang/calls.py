@@ -2,7 +2,7 @@
 
 :class:`CallPath` turns one call's arguments into what an engine runs: it validates them (every
 error a PurlinValueError whose message starts with the collective's name), chooses the algorithm
-once (``snac.choose_algorithm``), plans (``snac.make_plan`` with that algorithm), lowers and
+once (``snac.select``: a registry entry), plans (``snac.make_plan`` with that algorithm), lowers and
 fingerprints, and caches each of those. A call whose spec, op, root, dtype, shape and splits were
 seen before (and were valid then) skips the planning and the checks that depend only on those: it
 finds its schedule, fingerprint and output shape in the call cache. Checks that depend on the
@@ -24,7 +24,7 @@ from .collectives import CATALOG, CollectiveSpec, ReduceOp
 from .config import PurlinConfig
 from .engines.base import REDUCE_DTYPES, SPLIT_ARGS, SPLIT_ARGS_RUN, call_info, fingerprint, rows_phrase
 from .errors import PurlinConfigError, PurlinValueError
-from .snac import Plan, Schedule, Sizes, choose_algorithm, has_packet_form, lower, make_plan
+from .snac import Algorithm, Plan, Schedule, Sizes, lower, make_plan, registry, select
 from .snac.planner import largest_push
 from .snac.table import TableInUse, bands_for
 
@@ -160,7 +160,7 @@ class CallPath:
     def __init__(self, rank: int, world: int, device: torch.device, config: PurlinConfig, *, packets: bool,
                  maxsize: int = 512, placement: str = "any"):
         self.rank, self.world, self.device, self.config = rank, world, device, config
-        self.packets = packets  # the engine runs packet plans: the algorithm may be "packet"
+        self.packets = packets  # the engine runs the packet protocol: algorithms that need it may be chosen
         self.maxsize = maxsize
         self.hits = self.misses = 0
         self.plans: dict[tuple, Plan] = {}
@@ -171,11 +171,15 @@ class CallPath:
         self.heap: Any = None  # the communicator's SymmetricHeap (memory/heap.py) where it has one
 
     def algorithm(self, spec: CollectiveSpec | str, nbytes: int | None, push: int | None = None) -> str:
-        """The algorithm of a call of ``spec`` (or a catalog name) whose input on this rank is ``nbytes``
-        bytes: the same on every rank (it depends on the config, the world, the device model and the
-        group-wide size). ``push``: the group's largest push (``snac.planner.largest_push``), which a
-        V form needs for a packet; without it a V form's ``nbytes`` is taken as that push (the call
-        path always passes it)."""
+        """The name of :meth:`select`'s algorithm."""
+        return self.select(spec, nbytes, push).name
+
+    def select(self, spec: CollectiveSpec | str, nbytes: int | None, push: int | None = None) -> Algorithm:
+        """The algorithm (a registry entry) of a call of ``spec`` (or a catalog name) whose input on this
+        rank is ``nbytes`` bytes: the same on every rank (it depends on the config, the world, the device
+        model and the group-wide size). ``push``: the group's largest push (``snac.planner.largest_push``),
+        which a V form needs for a packet; without it a V form's ``nbytes`` is taken as that push (the
+        call path always passes it)."""
         if isinstance(spec, str) and spec in CATALOG:
             spec = CATALOG[spec]
         if not isinstance(spec, CollectiveSpec):
@@ -184,8 +188,8 @@ class CallPath:
         if push is None and spec.variable:
             push = nbytes
         bands = self.table.bands.get(spec.name) if self.table.bands else None
-        return choose_algorithm(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world,
-                                bands=bands, push=push)
+        return select(spec, nbytes, self.config.tuning, packets=self.packets, world=self.world, bands=bands,
+                      push=push)
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, len(self.calls), len(self.plans), len(self.schedules), self.maxsize)
@@ -272,10 +276,12 @@ class CallPath:
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)
         named = spec if consume == spec.consume else spec.with_consume(consume)
-        algorithm = self.algorithm(named, nbytes, largest_push(sizes) if spec.variable else None)
-        input_at = self._direct_input(named, algorithm, x, out)
-        if input_at >= 0:  # where the staged one-shot / two-shot would run
-            algorithm = "direct" if algorithm == "oneshot" else "direct-twoshot"
+        chosen = self.select(named, nbytes, largest_push(sizes) if spec.variable else None)
+        heap_form = registry.heap_form(chosen)
+        input_at = self._direct_input(named, heap_form, x, out)
+        if input_at >= 0:  # the algorithm that reads the heap in place of the chosen one
+            chosen = heap_form
+        algorithm = chosen.name
         pkey = (spec, consume, root, algorithm, input_at)
         plan = self.plans.get(pkey)
         if plan is None:
@@ -290,7 +296,7 @@ class CallPath:
             if len(self.schedules) > SCHEDULE_CACHE_SIZE:
                 self.schedules.clear()
             self.schedules[skey] = sched
-        fp = fingerprint(plan.key + (str(x.dtype), row_bytes, _agreed_sizes(spec, algorithm, sizes, nbytes)))
+        fp = fingerprint(plan.key + (str(x.dtype), row_bytes, _agreed_sizes(spec, chosen, sizes, nbytes)))
         in_place = not spec.input.sliced and not spec.output.sliced and input_at < 0  # a direct plan: never
         call = Call(spec, name, sched, fp, out_shape, in_place,
                     call_info(name, x.dtype, nbytes, plan), x.nbytes, x.element_size() * math.prod(out_shape),
@@ -301,15 +307,17 @@ class CallPath:
             self.calls[key] = call
         return call, out
 
-    def _direct_input(self, spec: CollectiveSpec, algorithm: str, x: torch.Tensor, out: torch.Tensor) -> int:
-        """Where x lies in this rank's staging region when the call runs a direct plan (else -1): x wholly
-        in the symmetric heap, a collective whose sizes every rank knows (has_packet_form), a call that
-        would run the staged one-shot (``direct``) or two-shot (``direct-twoshot``), peers to read from,
-        and an output apart from x (readers still read my input while I write my output). Every rank
-        must pass its input at the same heap offset: the offset is part of the plan, so ranks that
-        differ get different fingerprints."""
+    def _direct_input(self, spec: CollectiveSpec, heap_form: Algorithm | None, x: torch.Tensor,
+                      out: torch.Tensor) -> int:
+        """Where x lies in this rank's staging region when the call runs ``heap_form``, the algorithm
+        that reads the heap in place of the chosen one (``direct`` for the staged one-shot,
+        ``direct-twoshot`` for the two-shot), else -1: x wholly in the symmetric heap, a collective
+        that has that form (every rank knows every size), peers to read from, and an output apart
+        from x (readers still read my input while I write my output). Every rank must pass its input
+        at the same heap offset: the offset is part of the plan, so ranks that differ get different
+        fingerprints."""
         heap = self.heap
-        if heap is None or algorithm not in ("oneshot", "twoshot") or self.world < 2 or not has_packet_form(spec):
+        if heap is None or heap_form is None or self.world < 2 or not heap_form.has_form(spec):
             return -1
         off = heap.offset_of(_address(x))
         if off < 0 or off + x.nbytes > heap.nbytes or _overlaps(x, out):
@@ -413,15 +421,15 @@ class CallPath:
         return out
 
 
-def _agreed_sizes(spec: CollectiveSpec, algorithm: str, sizes: Sizes, nbytes: int) -> Any:
+def _agreed_sizes(spec: CollectiveSpec, algorithm: Algorithm, sizes: Sizes, nbytes: int) -> Any:
     """The sizes every rank of a call passes alike, for its fingerprint: a fixed form's input bytes; a
-    packet V form's sizes on its sliced side (every rank's ``sizes``: ranks that disagree on them then
-    get each other's packets refused and a mismatch error), and so does a direct V form's (its readers
-    compute each peer's offsets from them); None for a staged V form, whose waits compare the byte
-    counts of each pair instead."""
+    V form's sizes on its sliced side where its algorithm has every rank know every size
+    (``agreed_sizes``: packets, whose ranks that disagree on them then get each other's packets refused
+    and a mismatch error, and the direct plans, whose readers compute each peer's offsets from them);
+    None for a staged V form, whose waits compare the byte counts of each pair instead."""
     if not spec.variable:
         return nbytes
-    if algorithm in ("packet", "direct", "direct-twoshot"):
+    if algorithm.agreed_sizes:
         return sizes.output if spec.output.sliced else sizes.input
     return None
 

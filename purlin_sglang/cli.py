@@ -233,10 +233,9 @@ def _communicators_line() -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from . import native
     from .engines import cuda_engine_status
+    from .memory import providers
 
     b = native.build_info()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
     why = cuda_engine_status()
     info: dict[str, Any] = {
         "purlin_sglang": __version__,
@@ -247,6 +246,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "engines": "cpu (reference): ready; cuda: " + (why.replace("the CUDA engine cannot run: ", "cannot run here: ")
                                                        if why else "ready"),
         "communicators": _communicators_line(),
+        "memory providers": providers.describe(),
         "NVSHMEM": _nvshmem(),
         "sglang": dist_version("sglang") or "not installed (install the [sglang] extra)",
         "tuning table": _table_in_force(args.config, gpus),

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .config_model import ConfigModel, explain
 from .errors import PurlinConfigError
+from .memory import providers
 from .snac.policy import TuningPolicy
 
 MiB = 1024 * 1024
@@ -65,8 +66,9 @@ class PurlinConfig(ConfigModel):
       every rank, reads its peers' inputs in place instead of staging them (the ``direct`` plans).
       0: no heap. The workspace's staging region is then ``staging_bytes`` rounded up to 4 KiB plus
       this, and set-up errors about ranks that disagree quote that sum.
-    * ``memory`` (``auto``): symmetric memory provider: ``auto``, ``ipc``, ``nvshmem``,
-      ``torch``, ``loopback`` or ``host``. ``auto`` is ``host`` on CPU.
+    * ``memory`` (``auto``): symmetric memory provider: ``auto`` or a provider of
+      memory/providers.py (``ipc``, ``torch``, ``nvshmem``, ``loopback``, ``host``). ``auto`` is the
+      engine's first: ``host`` on CPU, ``ipc`` for a CUDA process group, ``loopback`` for virtual ranks.
     * ``shm_dir`` (``/dev/shm``): where the CPU engine's shared workspace file of a process
       group is made (a tmpfs; the file is allocated for real and checked for space first).
     * ``deterministic`` (true): reductions in a fixed rank order, bitwise identical on
@@ -88,12 +90,17 @@ class PurlinConfig(ConfigModel):
     timeout_s: float = Field(60.0, gt=0, le=86400)
     staging_bytes: int = Field(64 * MiB, ge=4096, le=1 << 40)
     symmetric_bytes: int = Field(0, ge=0, le=1 << 40)
-    memory: Literal["auto", "ipc", "nvshmem", "torch", "loopback", "host"] = "auto"
+    memory: str = providers.AUTO
     shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True
     device_call_check: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)
+
+    @field_validator("memory")
+    @classmethod
+    def _provider(cls, value: str) -> str:
+        return providers.check_name(value)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "purlin config") -> "PurlinConfig":

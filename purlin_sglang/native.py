@@ -7,11 +7,11 @@ no libtorch and carries its own static CUDA runtime, sharing the driver's primar
 so the streams) with torch, but keeping its own current device: every launch and device query
 passes the CUDA device index, which the library makes current before it touches the device.
 
-The ABI is written twice, in C++ and here (the parameter structs, the dtype and reduce-op codes,
-the op-table encoding of ``engines/cuda_ops.py``, the error records). :func:`load` compares the
-two through ``purlin_native_layout()`` (:func:`check_layout`) and refuses a library that disagrees,
-naming each field or constant with both values: a stale or foreign build is an error at load,
-never a hang or a wrong sum.
+The ABI is written twice, in C++ and in :mod:`purlin_sglang.abi` (the parameter structs, the dtype
+and reduce-op codes, the op-table encoding, the kernel kinds, the error records, the layout constants;
+re-exported here). :func:`load` compares the two through ``purlin_native_layout()``
+(:func:`check_layout`) and refuses a library that disagrees, naming each field or constant with both
+values: a stale or foreign build is an error at load, never a hang or a wrong sum.
 """
 
 from __future__ import annotations
@@ -24,9 +24,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from purlin_sglang.errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
+from . import abi
+from .abi import (  # noqa: F401  (re-exported: the engines and tests read the ABI through this module too)
+    ABI_VERSION, DTYPE_CODES, MOE_ERROR_CODES, MOE_ERROR_WORDS, MOE_MAX_RANKS, MOE_REJECT_BIT, REDUCE_MAX_SOURCES,
+    REDUCE_OP_CODES, SNAC_DESC_AFTER_NS, SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_ERROR_CODES, SNAC_ERROR_FIELDS, SNAC_ERROR_WORDS,
+    SNAC_MAX_RANKS, MoeParams, SnacParams, python_layout,
+)
+from .errors import PurlinCudaError, PurlinUnavailableError, PurlinValueError
 
-ABI_VERSION = 10
 _MODULE = "purlin_sglang._native"
 _REINSTALL = "reinstall with `pip install .` (or `pip install -e .`) from the repository root"
 
@@ -61,121 +66,19 @@ def build_info() -> dict:
     return info
 
 
-SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS
-_ll = ctypes.c_longlong
-
-
-class SnacParams(ctypes.Structure):
-    """native.h's PurlinSnacParams (compared field by field with the library's at load)."""
-
-    _fields_ = [
-        ("ops", ctypes.c_void_p), ("n_ops", _ll), ("n_updates", _ll),
-        ("input", ctypes.c_void_p), ("output", ctypes.c_void_p),
-        ("bases", ctypes.c_void_p * SNAC_MAX_RANKS),
-        ("rank", _ll), ("world", _ll), ("dtype", _ll), ("blocks", _ll), ("max_items", _ll),
-        ("notify_off", _ll), ("ack_off", _ll), ("sent_off", _ll), ("expect_off", _ll), ("acked_off", _ll),
-        ("arrive_off", _ll), ("arrive_slots", _ll), ("exit_off", _ll), ("error_off", _ll), ("staging_off", _ll),
-        ("timeout_ns", _ll), ("host_error", ctypes.c_void_p), ("tag", _ll),
-        ("epoch_off", _ll), ("window_off", _ll), ("window_bytes", _ll), ("packets", _ll), ("device", _ll),
-        ("desc_off", _ll), ("desc_seq", _ll), ("desc_fp", _ll), ("desc_info", _ll),
-    ]
-
-
-MOE_MAX_RANKS = 64  # PURLIN_MOE_MAX_RANKS
-_vp = ctypes.c_void_p
-
-
-class MoeParams(ctypes.Structure):
-    """native.h's PurlinMoeParams (compared field by field with the library's at load)."""
-
-    _fields_ = [("bases", ctypes.c_void_p * MOE_MAX_RANKS)] + [(n, _ll) for n in (
-        "rank", "world", "blocks", "local", "topk", "tokens", "max_tokens", "capacity", "payload_bytes",
-        "hdr_bytes", "slot_bytes", "ret_bytes", "count_off", "count_bytes", "done_off", "recv_off",
-        "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
-        "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
-        "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
-        "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device")]
-
-
-# THE dtype table of Python and C++: native.h's enum purlin_dtype (0 is no type: a copy-only schedule),
-# and enum purlin_reduce_op; compared with the library's at load.
-DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3, "float64": 4, "int32": 5, "int64": 6}
-REDUCE_OP_CODES = {"sum": 1, "max": 2, "min": 3}
-REDUCE_MAX_SOURCES = 8
-# The SNAC kernels' host-mapped error record (native/include/purlin/encoding.h): word i is field i.
-SNAC_ERROR_WORDS = 16
-SNAC_ERROR_FIELDS = ("code", "op", "kind", "peer", "item", "rank", "target", "seen", "tag", "peer_info_lo",
-                     "peer_info_hi", "my_info")
-SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2, "MISMATCH": 3}
-# Device call descriptors (native.h desc_off): slots per producer, words per slot, and how long a wait
-# spins before it reads its peer's descriptor.
-SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_DESC_AFTER_NS = 4, 3, 20000
-# The MoE kernels' record (PURLIN_MOE_ERROR_WORDS words; word 0 one of these codes).
-MOE_ERROR_WORDS = 16
-MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4, "REJECTED": 5}
-MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)
-
-
 class _AbiEntry(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("value", _ll)]
-
-
-def _struct_layout(cname: str, cls: type) -> dict[str, int]:
-    out = {f"sizeof({cname})": ctypes.sizeof(cls)}
-    for name, _ in cls._fields_:
-        field = getattr(cls, name)
-        out[f"offsetof({cname}, {name})"] = field.offset
-        out[f"sizeof({cname}.{name})"] = field.size
-    return out
-
-
-def python_layout() -> dict[str, int]:
-    """What this package's Python side believes the native ABI is, under purlin_native_layout()'s names."""
-    from .memory import layout as wl
-    from .snac import encoding as co
-    from .memory import moe_layout
-
-    out = {"PURLIN_NATIVE_ABI_VERSION": ABI_VERSION}
-    out.update(_struct_layout("PurlinSnacParams", SnacParams))
-    out.update(_struct_layout("PurlinMoeParams", MoeParams))
-    out.update({
-        "PURLIN_SNAC_MAX_RANKS": SNAC_MAX_RANKS, "PURLIN_SNAC_OP_WORDS": co.OP_WORDS,
-        "PURLIN_SNAC_EPOCH_WORDS": wl.EPOCH_WORDS, "PURLIN_SNAC_ERROR_WORDS": SNAC_ERROR_WORDS,
-        "PURLIN_SNAC_DESC_RING": wl.DESC_RING, "PURLIN_SNAC_DESC_WORDS": wl.DESC_WORDS,
-        "snac.desc.after_ns": SNAC_DESC_AFTER_NS,
-        "PURLIN_REDUCE_MAX_SOURCES": REDUCE_MAX_SOURCES, "PURLIN_MOE_MAX_RANKS": MOE_MAX_RANKS,
-        "PURLIN_MOE_MAX_EXPERTS": moe_layout.MAX_EXPERTS, "PURLIN_MOE_ERROR_WORDS": MOE_ERROR_WORDS,
-    })
-    out.update({f"PURLIN_DTYPE_{n.upper()}": v for n, v in DTYPE_CODES.items()})
-    out.update({f"PURLIN_REDUCE_{n.upper()}": v for n, v in REDUCE_OP_CODES.items()})
-    out.update({f"snac.op.{n}": v for n, v in co.OPCODES.items()})
-    out.update({f"snac.kind.{n.upper()}": v for v, n in co.KIND_NAMES.items()})
-    out.update({f"snac.buf.{b.name}": v for b, v in co.BUF_CODES.items()})
-    out.update({
-        "snac.word0.sub_shift": co.SUB_SHIFT, "snac.word0.nsrc_shift": co.NSRC_SHIFT,
-        "snac.word0.flags_shift": co.FLAGS_SHIFT, "snac.flag.INPLACE_ONLY": co.FLAG_INPLACE_ONLY,
-        "snac.ref.buf_shift": co.REF_BUF_SHIFT, "snac.ref.rank_shift": co.REF_RANK_SHIFT,
-        "snac.ref.rank_bits": co.REF_RANK_BITS, "snac.ref.offset_bits": co.REF_OFFSET_BITS,
-        "snac.packet.bytes": wl.PACKET_BYTES, "snac.packet.payload": wl.PACKET_PAYLOAD,
-    })
-    out.update({f"snac.error.{n}": i for i, n in enumerate(SNAC_ERROR_FIELDS)})
-    out.update({f"snac.error_code.{n}": v for n, v in SNAC_ERROR_CODES.items()})
-    out.update({f"moe.error_code.{n}": v for n, v in MOE_ERROR_CODES.items()})
-    out["moe.reject_bit"] = MOE_REJECT_BIT
-    return out
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_longlong)]
 
 
 def layout_problems(lib_layout: dict[str, int], mine: Optional[dict[str, int]] = None) -> list[str]:
     """Each difference between the library's layout and this package's, one line each ([] if none)."""
-    from .memory import moe_layout
-
-    mine = python_layout() if mine is None else mine
+    mine = abi.python_layout() if mine is None else mine
     lib_layout = dict(lib_layout)
     problems = []
     words = lib_layout.pop("moe.state_words", None)  # a bound, not a copy: the region's state area holds them
-    if words is None or words * 8 > moe_layout.STATE_BYTES:
-        problems.append(f"moe.state_words: the library has {words} words, memory/moe_layout.py's STATE_BYTES is "
-                        f"{moe_layout.STATE_BYTES} bytes")
+    if words is None or words * 8 > abi.MOE_STATE_BYTES:
+        problems.append(f"moe.state_words: the library has {words} words, the MoE region's state area "
+                        f"(abi.MOE_STATE_BYTES) is {abi.MOE_STATE_BYTES} bytes")
     for key in sorted(set(lib_layout) | set(mine)):
         lv, pv = lib_layout.get(key), mine.get(key)
         if lv == pv:

@@ -1,9 +1,11 @@
-"""The package's import graph has no cycles, and every module imports.
+"""The package's import graph has no cycles, between modules nor between its parts, and every module imports.
 
 The graph is built from the source with ``ast``: an edge a -> b for every import of b in a, at module
 level or deferred inside a function (a deferred import still ties the two modules together), plus the
 packages Python initialises on the way (importing ``purlin_sglang.x.y`` runs ``purlin_sglang/x/__init__``
-first). A cycle is reported with its modules in order.
+first). A cycle is reported with its modules in order. The package-level graph joins each part of the
+package (``purlin_sglang.x``: a subpackage such as ``memory`` or a module such as ``native``) into one
+node: a layer that imports another may not be imported by it, even through other modules.
 """
 
 from __future__ import annotations
@@ -108,6 +110,39 @@ def test_the_package_has_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles (module-level or deferred imports): " + "; ".join(
         " <-> ".join(c) for c in cycles)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` between the package's parts (``purlin_sglang.x``). Entry points (``__main__`` modules, run
+    with ``python -m`` and imported by no module) are left out: they import the CLI, which imports their part."""
+    def part(mod: str) -> str:
+        return ".".join(mod.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        if mod.endswith(".__main__"):
+            continue
+        out.setdefault(part(mod), set()).update(part(d) for d in deps if part(d) not in (part(mod), PKG))
+    return out
+
+
+def test_the_package_parts_have_no_import_cycles():
+    cycles = find_cycles(package_graph(import_graph()))
+    assert not cycles, "import cycles between parts of the package: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_abi_mirror_imports_nothing_of_the_package():
+    parts = package_graph(import_graph())
+    assert parts[f"{PKG}.abi"] == set()  # memory/, snac/ and native.py read it without importing each other
+    assert f"{PKG}.memory" not in parts[f"{PKG}.native"]
+
+
+def test_the_package_graph_joins_modules_into_parts():
+    graph = {f"{PKG}.a.x": {f"{PKG}.b.y"}, f"{PKG}.b.z": {f"{PKG}.a.w"}, f"{PKG}.c": {f"{PKG}.a.x"},
+             f"{PKG}.c.__main__": {f"{PKG}.d"}, f"{PKG}.d": {f"{PKG}.c"}}
+    assert package_graph(graph) == {f"{PKG}.a": {f"{PKG}.b"}, f"{PKG}.b": {f"{PKG}.a"}, f"{PKG}.c": {f"{PKG}.a"},
+                                    f"{PKG}.d": {f"{PKG}.c"}}
+    assert find_cycles(package_graph(graph)) == [[f"{PKG}.a", f"{PKG}.b"]]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from purlin_sglang import native
+from purlin_sglang import abi, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
-from purlin_sglang.snac import encoding
 from purlin_sglang.engines.cuda_moe import CudaMoE
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory.layout import DeviceLayout
@@ -67,7 +66,7 @@ class _StaleSnacParams(ctypes.Structure):
 
 @needs_build
 def test_a_struct_mismatch_names_the_field_and_both_values(monkeypatch, fresh):
-    monkeypatch.setattr(native, "SnacParams", _StaleSnacParams)
+    monkeypatch.setattr(abi, "SnacParams", _StaleSnacParams)  # the one Python mirror of the ABI
     with pytest.raises(PurlinUnavailableError) as info:
         native.load()  # the layout is checked before the CUDA build and the GPU are
     msg = str(info.value)
@@ -82,15 +81,45 @@ def test_a_struct_mismatch_names_the_field_and_both_values(monkeypatch, fresh):
 
 @needs_build
 def test_a_constant_mismatch_names_it_and_both_values(monkeypatch, fresh):
-    monkeypatch.setattr(encoding, "OPCODES", dict(encoding.OPCODES, PACKET_COPY=10))  # where the check reads it
-    monkeypatch.setattr(native, "DTYPE_CODES", dict(native.DTYPE_CODES, float16=3))
-    monkeypatch.setattr(native, "SNAC_ERROR_FIELDS", native.SNAC_ERROR_FIELDS[:8])  # an 8-word record of old
+    monkeypatch.setattr(abi, "OPCODES", dict(abi.OPCODES, PACKET_COPY=10))  # where the check reads it
+    monkeypatch.setattr(abi, "DTYPE_CODES", dict(abi.DTYPE_CODES, float16=3))
+    monkeypatch.setattr(abi, "SNAC_ERROR_FIELDS", abi.SNAC_ERROR_FIELDS[:8])  # an 8-word record
     with pytest.raises(PurlinUnavailableError) as info:
         native.load()
     msg = str(info.value)
     assert "snac.op.PACKET_COPY: the library has 9, Python has 10" in msg
     assert "PURLIN_DTYPE_FLOAT16: the library has 2, Python has 3" in msg
     assert "snac.error.tag: the library has 8, Python has no such field" in msg
+
+
+# The record-format constants the kernels decode with (native/snac/ops.cuh: opcode_of, sub_of, ref_rank, ...),
+# the kernel kinds and the descriptor word: each is exported and compared at load.
+ENCODING_CONSTANTS = {
+    "SUB_SHIFT": "snac.word0.sub_shift", "NSRC_SHIFT": "snac.word0.nsrc_shift",
+    "FLAGS_SHIFT": "snac.word0.flags_shift", "OPCODE_MASK": "snac.word0.opcode_mask",
+    "SUB_MASK": "snac.word0.sub_mask", "NSRC_MASK": "snac.word0.nsrc_mask", "REF_BUF_SHIFT": "snac.ref.buf_shift",
+    "REF_RANK_SHIFT": "snac.ref.rank_shift", "REF_RANK_BITS": "snac.ref.rank_bits",
+    "REF_OFFSET_BITS": "snac.ref.offset_bits", "KERNEL_STAGED": "snac.kernel.STAGED",
+    "KERNEL_PACKET": "snac.kernel.PACKET", "DESC_SEQ_SHIFT": "snac.desc.seq_shift",
+}
+
+
+@needs_build
+def test_the_library_exports_every_constant_the_kernels_decode_with():
+    lib_layout = native.native_layout()
+    for name, key in ENCODING_CONSTANTS.items():
+        assert lib_layout[key] == getattr(abi, name), key
+
+
+@needs_build
+@pytest.mark.parametrize("name", sorted(ENCODING_CONSTANTS))
+def test_a_changed_encoding_constant_is_refused_by_name(monkeypatch, name):
+    key, value = ENCODING_CONSTANTS[name], getattr(abi, name)
+    monkeypatch.setattr(abi, name, value + 1)
+    with pytest.raises(PurlinUnavailableError) as info:
+        native.check_layout()
+    assert f"{key}: the library has {value}, Python has {value + 1}" in str(info.value)
+    assert "pip install" in str(info.value)
 
 
 def test_layout_problems_reports_missing_and_extra_names():
@@ -122,6 +151,10 @@ def test_native_checks_params_before_touching_a_device():
     p.world, p.blocks, p.arrive_slots, p.timeout_ns, p.bases[0] = 1, 1, 1, 1, 4096
     p.device = -2  # not a device
     assert lib.purlin_snac_execute(ctypes.byref(p), None) == CUDA_ERROR_INVALID_VALUE
+    p.device = -1
+    for kind in (-1, abi.KERNEL_PACKET + 1):  # not a kernel kind of purlin/encoding.h
+        p.packets = kind
+        assert lib.purlin_snac_execute(ctypes.byref(p), None) == CUDA_ERROR_INVALID_VALUE
     m = native.MoeParams()
     m.device = 99
     assert lib.purlin_moe_dispatch(ctypes.byref(m), None) == CUDA_ERROR_INVALID_VALUE

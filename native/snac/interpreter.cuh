@@ -105,7 +105,7 @@ template <class T>
 __device__ __forceinline__ void exec_reduce(const long long* o, const PurlinSnacParams& p) {
   const size_t n = size_t(o[2]);
   if (n == 0) return;
-  const int op = int((o[0] >> 8) & 0xff), k = int((o[0] >> 16) & 0xff);
+  const int op = sub_of(o[0]), k = nsrc_of(o[0]);
   char* dst = resolve(p, o[1]);
   const char* srcs[8];
   for (int s = 0; s < k && s < 8; ++s) srcs[s] = resolve(p, o[3 + s]);
@@ -160,7 +160,7 @@ __device__ inline bool arrive_last(const long long* o, const PurlinSnacParams& p
 
 // One thread of the last block: give one signal (a system-scope release store of the new count).
 __device__ inline void give_signal(const long long* o, const PurlinSnacParams& p) {
-  const int kind = int((o[0] >> 8) & 0xff);
+  const int kind = sub_of(o[0]);
   const long long peer = o[1], item = o[2], k = o[4];
   char* me = own(p);
   char* remote = static_cast<char*>(p.bases[peer]);
@@ -175,7 +175,7 @@ __device__ inline void give_signal(const long long* o, const PurlinSnacParams& p
 }
 
 __device__ inline bool exec_wait(const long long* o, const PurlinSnacParams& p, long long index) {
-  const int kind = int((o[0] >> 8) & 0xff);
+  const int kind = sub_of(o[0]);
   const long long peer = o[1], item = o[2], k = o[3];
   char* me = own(p);
   const bool notify = kind == kNotify;
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   __shared__ int s_last;
   // The op table in shared memory, loaded once by the whole block: reading a record, finding the end
   // of a run of signals or waits, and the mirror updates at exit then cost no global round trip each
-  // (before, each was a dependent global load, one after another).
+  // (from global memory, each is a dependent load, one after another).
   __shared__ long long table[kTableWords];
   const long long words = p.n_ops * kOpWords + 2 * p.n_updates;
   const long long* ops = p.ops;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = ops + i * kOpWords;
     const long long w0 = o[0];
-    switch (int(w0 & 0xff)) {
+    switch (int(w0 & kOpcodeMask)) {  // opcode_of(w0), written out: the switch keeps its value range
       case kCopy: exec_copy(o, p); break;
       case kReduce:
         if constexpr (std::is_same_v<T, void>) {  // a reduce in the copy-only kernel: never skipped
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
         if (__syncthreads_or(!exec_drain_all(o, p, i))) return;
         break;
       case kBarrier:
-        if (((w0 >> 24) & kFlagInPlaceOnly) && p.input != p.output) break;
+        if ((flags_of(w0) & kFlagInPlaceOnly) && p.input != p.output) break;
         __syncthreads();
         if (__syncthreads_or(lead && !exec_barrier(o, p, i))) return;
         break;

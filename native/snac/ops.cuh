@@ -2,9 +2,11 @@
 // The host side of this encoding is purlin_sglang/engines/cuda_ops.py: keep the two in step.
 //
 // A table holds fixed records of PURLIN_SNAC_OP_WORDS int64 words; word 0 is
-//   opcode | sub << 8 | nsrc << 16 | flags << 24
-// and a buffer reference ("ref") is  buf << 62 | rank << 48 | byte offset (48 bits), with buf
-// INPUT / OUTPUT (this call's tensors), STAGE (rank's staging) or WINDOW (rank's packets to me).
+//   opcode | sub << kSubShift | nsrc << kNsrcShift | flags << kFlagsShift
+// and a buffer reference ("ref") is  buf << kRefBufShift | rank << kRefRankShift | byte offset
+// (kRefOffsetBits bits), with buf INPUT / OUTPUT (this call's tensors), STAGE (rank's staging) or
+// WINDOW (rank's packets to me). Every field is read through the decoders below, which use only the
+// constants of purlin/encoding.h (those purlin_native_layout() exports for the load-time check).
 // A record the kernel cannot run (an unknown opcode, a reduce in the copy-only kernel, a reduce
 // with an unknown operator or source count) is recorded as an error (kErrBadRecord), never skipped.
 //   COPY     w1 dst ref, w2 src ref, w3 bytes
@@ -31,9 +33,24 @@
 
 namespace purlin::snac {
 
-// Opcode, Kind, Buf, the shifts, the flags and the error record: purlin/encoding.h (exported by
-// purlin_native_layout and compared with the Python encoder at load).
+// Opcode, Kind, Buf, the shifts, the masks, the flags and the error record: purlin/encoding.h (exported
+// by purlin_native_layout and compared with the Python encoder at load).
 constexpr unsigned kOpWords = PURLIN_SNAC_OP_WORDS;
+
+// ---- decoding a record: word 0's fields, and a buffer reference's ----------------------------------------------
+__device__ __forceinline__ int opcode_of(long long w0) { return int(w0 & kOpcodeMask); }
+__device__ __forceinline__ int sub_of(long long w0) { return int((w0 >> kSubShift) & kSubMask); }
+__device__ __forceinline__ int nsrc_of(long long w0) { return int((w0 >> kNsrcShift) & kNsrcMask); }
+__device__ __forceinline__ long long flags_of(long long w0) { return w0 >> kFlagsShift; }
+__device__ __forceinline__ int ref_buf(long long ref) {
+  return int(static_cast<unsigned long long>(ref) >> kRefBufShift);
+}
+__device__ __forceinline__ int ref_rank(long long ref) {
+  return int((static_cast<unsigned long long>(ref) >> kRefRankShift) & ((1ull << kRefRankBits) - 1));
+}
+__device__ __forceinline__ unsigned long long ref_offset(long long ref) {
+  return static_cast<unsigned long long>(ref) & ((1ull << kRefOffsetBits) - 1);
+}
 
 struct SnacConfig {
   static constexpr unsigned kThreads = 512;
@@ -42,10 +59,9 @@ struct SnacConfig {
 };
 
 __device__ __forceinline__ char* resolve(const PurlinSnacParams& p, long long ref) {
-  const unsigned long long u = static_cast<unsigned long long>(ref);
-  const int buf = int(u >> 62);
-  const int rank = int((u >> 48) & 0x3fff);
-  const unsigned long long off = u & ((1ull << 48) - 1);
+  const int buf = ref_buf(ref);
+  const int rank = ref_rank(ref);
+  const unsigned long long off = ref_offset(ref);
   char* base = buf == kInput ? static_cast<char*>(p.input)
              : buf == kOutput ? static_cast<char*>(p.output)
                               : static_cast<char*>(p.bases[rank]) + p.staging_off;
@@ -108,12 +124,13 @@ __device__ inline void record_timeout(const PurlinSnacParams& p, long long op, i
 // One thread: record op `index` (word 0 `w0`) as a record this kernel cannot run; the kernel then
 // returns in every thread (every block meets the same record). Kind = the opcode, target = p.dtype.
 __device__ inline void record_bad_record(const PurlinSnacParams& p, long long index, long long w0) {
-  record_error(p, kErrBadRecord, index, int(w0 & 0xff), -1, 0, p.dtype, w0);
+  record_error(p, kErrBadRecord, index, opcode_of(w0), -1, 0, p.dtype, w0);
 }
 
 // ---- call descriptors (native.h: desc_off) ----------------------------------------------------------------------
 __device__ __forceinline__ long long desc_word(long long seq, long long payload) {
-  return static_cast<long long>((static_cast<unsigned long long>(seq) << 32) | (static_cast<unsigned long long>(payload) & 0xffffffffull));
+  return static_cast<long long>((static_cast<unsigned long long>(seq) << kDescSeqShift) |
+                                (static_cast<unsigned long long>(payload) & ((1ull << kDescSeqShift) - 1)));
 }
 __device__ __forceinline__ long long* desc_slot(char* base, const PurlinSnacParams& p, long long producer) {
   return reinterpret_cast<long long*>(base + p.desc_off) +
@@ -128,7 +145,7 @@ __device__ __forceinline__ void push_descriptor(const PurlinSnacParams& p) {
   if (!desc_on(p) || blockIdx.x != 0 || threadIdx.x >= p.world || threadIdx.x == p.rank) return;
   long long* slot = desc_slot(static_cast<char*>(p.bases[threadIdx.x]), p, p.rank);
   st_volatile(slot + 1, desc_word(p.desc_seq, p.desc_info));
-  st_volatile(slot + 2, desc_word(p.desc_seq, p.desc_info >> 32));
+  st_volatile(slot + 2, desc_word(p.desc_seq, p.desc_info >> kDescSeqShift));  // the high half: a payload of its own
   st_volatile(slot + 0, desc_word(p.desc_seq, p.desc_fp));
 }
 
@@ -147,11 +164,12 @@ __device__ __forceinline__ long long desc_load(const PurlinSnacParams& p, long l
 __device__ inline bool desc_differs(const PurlinSnacParams& p, long long theirs, long long op, int kind, long long peer,
                                     long long item) {
   const long long mine = desc_word(p.desc_seq, p.desc_fp);
-  if (!desc_peer(p, peer) || (theirs >> 32) != (mine >> 32) || theirs == mine) return false;
+  if (!desc_peer(p, peer) || (theirs >> kDescSeqShift) != (mine >> kDescSeqShift) || theirs == mine) return false;
   const long long* slot = desc_slot(own(p), p, peer);
   const long long lo = ld_relaxed_sys(slot + 1), hi = ld_relaxed_sys(slot + 2);  // 0 if of another call
-  record_error(p, kErrMismatch, op, kind, peer, item, mine, theirs, (lo >> 32) == (mine >> 32) ? lo : 0,
-               (hi >> 32) == (mine >> 32) ? hi : 0, p.desc_info);
+  record_error(p, kErrMismatch, op, kind, peer, item, mine, theirs,
+               (lo >> kDescSeqShift) == (mine >> kDescSeqShift) ? lo : 0,
+               (hi >> kDescSeqShift) == (mine >> kDescSeqShift) ? hi : 0, p.desc_info);
   return true;
 }
 
@@ -162,7 +180,7 @@ __device__ inline bool desc_mismatch(const PurlinSnacParams& p, long long op, in
 
 // A REDUCE / PACKET_REDUCE word 0 names a known operator and 1 to 8 sources.
 __device__ __forceinline__ bool reduce_record_ok(long long w0) {
-  const int op = int((w0 >> kSubShift) & 0xff), k = int((w0 >> kNsrcShift) & 0xff);
+  const int op = sub_of(w0), k = nsrc_of(w0);
   return op >= PURLIN_REDUCE_SUM && op <= PURLIN_REDUCE_MIN && k >= 1 && k <= PURLIN_REDUCE_MAX_SOURCES;
 }
 
@@ -171,7 +189,7 @@ __device__ __forceinline__ bool reduce_record_ok(long long w0) {
 // runs of copies).
 __device__ __forceinline__ long long run_length(const long long* ops, long long n_ops, long long i, int code) {
   long long n = 1;
-  while (i + n < n_ops && int(ops[(i + n) * kOpWords] & 0xff) == code) ++n;
+  while (i + n < n_ops && opcode_of(ops[(i + n) * kOpWords]) == code) ++n;
   return n;
 }
 

@@ -122,7 +122,7 @@ __device__ inline void exec_packet_put(const long long* o, const PurlinSnacParam
 
 // A run of m <= 8 PACKET_PUT records of one consumer each (a sliced input: slice c to consumer c), as one
 // loop: payload word j of every record is loaded before the first store, so the slices' loads overlap
-// instead of costing one memory round trip per record (seventh session). Same thread mapping as above.
+// instead of costing one memory round trip per record. Same thread mapping as above.
 __device__ inline void exec_packet_puts_1(const long long* o, int m, const PurlinSnacParams& p, Epoch e) {
   const char* src[8];
   char* win[8];
@@ -155,8 +155,7 @@ __device__ __forceinline__ bool packet_ready(const uint4& v, Epoch e) { return v
 
 // The producer of a window source ref, or -1 for a direct one.
 __device__ __forceinline__ int window_producer(long long ref) {
-  const unsigned long long u = static_cast<unsigned long long>(ref);
-  return int(u >> 62) == kWindow ? int((u >> 48) & 0x3fff) : -1;
+  return ref_buf(ref) == kWindow ? ref_rank(ref) : -1;
 }
 
 // Re-poll packet `off` of the window sources in `pending` (bit s: source s, at src[s], pushed by rank
@@ -212,7 +211,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
   using Acc = typename N::Acc;
   constexpr int kE = kPacketPayload / int(sizeof(Bits));
   const size_t n = size_t(o[2]);
-  const int k = int((o[0] >> 16) & 0xff);
+  const int k = nsrc_of(o[0]);
   char* dst = resolve(p, o[1]);
   const char* src[8];
   int peers[8];
@@ -263,7 +262,7 @@ __device__ inline bool packet_reduce(const long long* o, const PurlinSnacParams&
 // A run of m <= 8 consecutive copy records `o` (one per producer: all_gather, all_to_all and their V
 // forms) runs as one loop: packet j of every window in the run is loaded before the first flag check,
 // as a reduce loads its sources, so waiting for world - 1 producers costs about one round trip, not one
-// per record (sixth session: records one after another cost about 0.5 us each at 8 ranks, the all_gather
+// per record (measured: records one after another cost about 0.5 us each at 8 ranks, the all_gather
 // 10.4 us against the all_reduce's 6.5 us at 1 KiB). Thread t still handles packets t, t + threads, ...
 // of every record. A window read of 0 bytes still waits for its one empty packet (packet_count).
 template <bool kCheck>
@@ -312,7 +311,7 @@ __device__ inline bool exec_packet_copies(const long long* o, int m, const Purli
 
 template <class T, bool kCheck>
 __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacParams& p, Epoch e, long long index) {
-  switch (int((o[0] >> 8) & 0xff)) {
+  switch (sub_of(o[0])) {
     case PURLIN_REDUCE_SUM: return packet_reduce<T, atoms::ReduceOp::kSum, kCheck>(o, p, e, index);
     case PURLIN_REDUCE_MAX: return packet_reduce<T, atoms::ReduceOp::kMax, kCheck>(o, p, e, index);
     default: return packet_reduce<T, atoms::ReduceOp::kMin, kCheck>(o, p, e, index);
@@ -320,17 +319,16 @@ __device__ inline bool exec_packet_reduce(const long long* o, const PurlinSnacPa
 }
 
 
-// The packet kernel: runs a schedule made only of packet ops (the planner's "packet" algorithm),
+// The packet kernel: runs a schedule made only of packet ops (kernel kind kKernelPacket, purlin/encoding.h),
 // apart from the staged interpreter (snac/interpreter.cuh) so neither carries the other's registers.
 // Each block reads its epoch word at the start and bumps it at its exit; there are no mirrors, no
 // arrival counters and no exit counter. Same grid as the interpreter (p.blocks).
 //
 // kCheck: the call check compiled in. The launch picks the instantiation without it when the check is
-// off (native.h desc_off < 0), so the descriptor code then costs nothing (fifth session: with it
-// compiled in but off, the bf16 kernel had 21% more instructions and ran about 1 us slower). With it,
-// the call costs block 0's descriptor push and the signature in every packet; the descriptor is read
-// only by a stalled wait (poll_pending), never on the hot path (sixth session: before, the thread of
-// packet 0 loaded and compared every producer's descriptor).
+// off (native.h desc_off < 0), so the descriptor code then costs nothing (measured: with it compiled
+// in but off, the bf16 kernel had 21% more instructions and ran about 1 us slower). With it, the call
+// costs block 0's descriptor push and the signature in every packet; the descriptor is read only by a
+// stalled wait (poll_pending), never on the hot path (not by the thread of packet 0 for every producer).
 // Records of a packet schedule kept in shared memory (3 KiB); a longer table is read from global memory.
 // At 8 ranks the longest packet schedule (all_to_all and its V forms) has 15 records.
 constexpr long long kPacketTableRecords = 32;
@@ -341,7 +339,7 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
   long long* epoch_word = reinterpret_cast<long long*>(me + p.epoch_off) + blockIdx.x;
   const long long before = *epoch_word;  // loaded together with the error word below and the table
   // The op table in shared memory (kPacketTableRecords): loaded once by the whole block, so reading a
-  // record costs no memory round trip (before, each record's words were a dependent global load).
+  // record costs no memory round trip (from global memory, each record's words are a dependent load).
   __shared__ long long table[kPacketTableRecords * kOpWords];
   const long long* ops = p.ops;
   if (p.n_ops <= kPacketTableRecords) {
@@ -355,10 +353,10 @@ __global__ void __launch_bounds__(SnacConfig::kPacketThreads, 1) snac_packet_ker
   if constexpr (kCheck) push_descriptor(p);
   for (long long i = 0; i < p.n_ops; ++i) {
     const long long* o = ops + i * kOpWords;
-    switch (int(o[0] & 0xff)) {
+    switch (opcode_of(o[0])) {
       case kPacketPut: {  // consecutive one-consumer puts (a sliced input) run 8 at a time (exec_packet_puts_1)
         long long run = 0;
-        while (i + run < p.n_ops && int(ops[(i + run) * kOpWords] & 0xff) == kPacketPut &&
+        while (i + run < p.n_ops && opcode_of(ops[(i + run) * kOpWords]) == kPacketPut &&
                ops[(i + run) * kOpWords + 3] == 1) {
           ++run;
         }

@@ -115,8 +115,9 @@ def _device_name(device: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..snac.planner import packet_push_bytes
-    from ..snac.policy import PACKET_WINDOW_BYTES
+    from ..snac import registry
+    from ..snac.planner import selection
+    from ..snac.policy import TuningPolicy
     from ..collectives import CATALOG
     from ..engines import cuda_engine_status
     from ..errors import PurlinValueError
@@ -149,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
         cases = {b: c for b, c in cases.items() if b not in times}
         times.update({b: {} for b in cases})
         for algorithm in algorithms:
-            mine = [b for b in cases if algorithm != "packet"
-                    or packet_push_bytes(CATALOG[name], b, world) <= PACKET_WINDOW_BYTES]
+            entry, policy = registry.get(algorithm), TuningPolicy(algorithm=algorithm)
+            mine = [b for b in cases if entry.fits(selection(CATALOG[name], b, policy, packets=True, world=world))]
             if not mine:
                 continue
             sys.stderr.write(f"tune: world {world} {name} {algorithm}: {len(mine)} sizes\n")

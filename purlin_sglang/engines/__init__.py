@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import PurlinBrokenError, PurlinClosedError, PurlinUnavailableError, PurlinValueError
+from ..memory import providers
 
 
 @dataclass(frozen=True)
@@ -21,21 +22,22 @@ class EngineInfo:
     name: str
     device_type: str
     priority: int
-    memories: tuple[str, ...]  # providers it can run on; the first is what "auto" picks
+    memories: tuple[str, ...]  # providers it runs on for process groups; the first is what "auto" picks
     virtual_memories: tuple[str, ...] = ()  # providers for run_virtual (ranks in one process)
     engine: str = ""  # "module:class" of the collectives engine (an Engine)
     moe: str = ""  # "module:class" of the MoE engine (a MoEEngine), built with the Communicator
 
 
-ENGINES: tuple[EngineInfo, ...] = (
-    EngineInfo("cpu", "cpu", 0, ("host",), ("host",),
-               "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.engines.cpu:CpuMoE"),
-    EngineInfo("cuda", "cuda", 10, ("ipc", "torch", "nvshmem"), ("loopback",),
-               "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.engines.cuda_moe:CudaMoE"),
+# Each engine's providers come from memory/providers.py: for process groups, and for virtual ranks.
+ENGINES: tuple[EngineInfo, ...] = tuple(
+    EngineInfo(name, name, priority, providers.for_engine(name, virtual=False),
+               providers.for_engine(name, virtual=True), engine, moe)
+    for name, priority, engine, moe in (
+        ("cpu", 0, "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.engines.cpu:CpuMoE"),
+        ("cuda", 10, "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.engines.cuda_moe:CudaMoE"),
+    )
 )
 _BY_NAME = {e.name: e for e in ENGINES}
-# Providers the CUDA engine is wired to today, per mode.
-_CUDA_READY = {"virtual": ("loopback",), "group": ("ipc", "torch", "nvshmem")}
 
 
 def cuda_engine_status() -> str:
@@ -109,21 +111,23 @@ def select_engine(device: torch.device, memory: str, *, virtual: bool = False) -
         if why:
             raise PurlinUnavailableError(f"device {device}: {why}")
     mems = eng.virtual_memories if virtual else eng.memories
-    mem = mems[0] if memory == "auto" else memory
+    mem = mems[0] if memory == providers.AUTO else memory
     if mem not in mems:
-        hint = ("the ipc, nvshmem, torch and loopback providers belong to the CUDA engine"
-                if eng.name == "cpu" else "run_virtual uses loopback; process groups use ipc")
         raise PurlinUnavailableError(
             f"memory={memory!r} is not available for the {eng.name} engine "
-            f"{'with virtual ranks' if virtual else 'with a process group'} (it supports {list(mems)}); {hint}"
-        )
-    if eng.name == "cuda" and mem not in _CUDA_READY["virtual" if virtual else "group"]:
-        ready = _CUDA_READY["virtual" if virtual else "group"]
-        raise PurlinUnavailableError(
-            f"device {device}: the CUDA engine has no memory={mem!r} provider in this version; "
-            f"use one of {list(ready)}"
+            f"{'with virtual ranks' if virtual else 'with a process group'} (it supports {list(mems)}); "
+            f"{_provider_hint(eng, mem)}"
         )
     return eng, mem
+
+
+def _provider_hint(eng: EngineInfo, mem: str) -> str:
+    """Which engine ``mem`` belongs to (memory/providers.py), or which of this engine's providers serve which ranks."""
+    p = providers.find(mem)
+    if p is not None and p.engine != eng.name:
+        return f"the {mem} provider belongs to the {p.engine.upper()} engine"
+    return (f"run_virtual uses {providers.prose(eng.virtual_memories)}; process groups use "
+            f"{providers.prose(eng.memories)}")
 
 
 def _info(name: str) -> EngineInfo:

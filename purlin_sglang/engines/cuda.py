@@ -20,14 +20,15 @@ import numpy as np
 import torch
 
 from .. import native
+from ..abi import DESC_SEQ_SHIFT
 from ..config import timeouts
 from ..errors import (
     PurlinBrokenError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
 )
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
-from ..snac import Schedule
+from ..snac import Schedule, registry
 from .base import describe_info, fold32, mismatch_message
-from .cuda_ops import KIND_NAMES, encode
+from .cuda_ops import ACK, BARRIER_KIND, DRAIN, KIND_NAMES, NOTIFY, PACKET_KIND, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
 HOST_ERROR_WORDS = native.SNAC_ERROR_WORDS  # the kernels' host-mapped record (native.SNAC_ERROR_FIELDS)
@@ -92,7 +93,7 @@ def grid_blocks(lib: native.NativeLibrary, world: int, ranks_on_gpu: int, device
 
 class CudaEngine:
     name = "cuda"
-    packets = True  # runs the packet protocol (snac/packet.cuh): the planner may choose "packet"
+    packets = True  # runs the packet protocol (snac/packet.cuh): the selector may take algorithms that need it
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
@@ -135,7 +136,7 @@ class CudaEngine:
 
     # -- tables --------------------------------------------------------------------------------
     def _table(self, sched: Schedule, op: str) -> tuple:
-        """(schedule, table, n_ops, n_updates, tag, table pointer, reduces, packets) of ``sched``, made once."""
+        """(schedule, table, n_ops, n_updates, tag, table pointer, reduces, kernel kind) of ``sched``, made once."""
         e = self._by_id.get(id(sched))
         if e is not None and e[0] is sched:
             return e
@@ -150,7 +151,7 @@ class CudaEngine:
             table = self._arena.put(enc.words, self.lib, _current_raw_stream(self._index))
             self._names.append(op)
             e = (sched, table, enc.n_ops, enc.n_updates, len(self._names) - 1, table.data_ptr(), _has_reduce(sched),
-                 int(sched.plan.algorithm == "packet"))  # packet plans run the packet kernel (snac/packet.cuh)
+                 _kernel_kind(sched, op))
             self._by_key[key] = e
         self._by_id[id(sched)] = e if e[0] is sched else (sched,) + e[1:]
         return self._by_id[id(sched)]
@@ -245,27 +246,28 @@ class CudaEngine:
             raise PurlinBrokenError(msg)
         kname = KIND_NAMES.get(kind, str(kind))
         what = {
-            "notify": f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
-            "ack": f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
-            "drain": f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
-            "barrier": "the other blocks of my own grid",
-            "packet": f"rank {peer}'s packets of packet call {target} (saw epoch {seen})",
-        }.get(kname, kname)
+            NOTIFY: f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
+            ACK: f"rank {peer} to drain my staging item {item} (acks {seen} < {target})",
+            DRAIN: f"rank {peer} to drain the previous call's staging item {item} (acks {seen} < {target})",
+            BARRIER_KIND: "the other blocks of my own grid",
+            PACKET_KIND: f"rank {peer}'s packets of packet call {target} (saw epoch {seen})",
+        }.get(kind, kname)
         msg = (f"{name}: rank {rank} waited {self.timeout_s:g}s at op #{index} ({kname} wait) for {what}. "
                f"Rank {peer} skipped this call or is stuck; the communicator is now broken")
         self.broken = self.broken or msg
-        missing = [peer] if kname != "barrier" else []
+        missing = [peer] if kind != BARRIER_KIND else []
         raise PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
 
     def _mismatch_message(self, name: str, rank: int, peer: int, mine: int, theirs: int) -> str:
         """A MISMATCH record: my descriptor word 0 in ``mine``, the peer's in ``theirs`` (native.h desc_off)."""
         f = native.SNAC_ERROR_FIELDS
         lo, hi, my_info = (int(self._err[f.index(k)]) for k in ("peer_info_lo", "peer_info_hi", "my_info"))
-        seq = (mine >> 32) & 0xFFFFFFFF
+        low = (1 << DESC_SEQ_SHIFT) - 1  # a descriptor word: seq << DESC_SEQ_SHIFT | payload (abi.py)
+        seq = (mine >> DESC_SEQ_SHIFT) & low
         if lo and hi:  # the peer's description words of this same call
-            peer_call = describe_info((lo & 0xFFFFFFFF) | (hi & 0xFFFFFFFF) << 32)
+            peer_call = describe_info((lo & low) | (hi & low) << DESC_SEQ_SHIFT)
         else:
-            peer_call = f"another call (fingerprint {theirs & 0xFFFFFFFF:#010x}, mine {mine & 0xFFFFFFFF:#010x})"
+            peer_call = f"another call (fingerprint {theirs & low:#010x}, mine {mine & low:#010x})"
         return (mismatch_message(name, rank, peer, seq, describe_info(my_info), peer_call)
                 + f" (seen by rank {rank}'s kernel while it waited for rank {peer}); the communicator is now broken")
 
@@ -299,6 +301,15 @@ class _Launch:
 
 def _has_reduce(sched: Schedule) -> bool:
     return not sched.plan.spec.consume.is_copy
+
+
+def _kernel_kind(sched: Schedule, op: str) -> int:
+    """The kernel kind (abi.KERNEL_*) of one schedule's table: its algorithm's (snac/registry.py)."""
+    kind = registry.get(sched.plan.algorithm).kernel
+    if kind is None:
+        raise PurlinUnavailableError(f"{op}: algorithm {sched.plan.algorithm!r} runs as parts, but this schedule "
+                                     "has none; the algorithm's lowering must return Schedule.parts")
+    return kind
 
 
 def _torch_current_stream(index: int) -> int:

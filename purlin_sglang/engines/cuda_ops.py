@@ -20,23 +20,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import native
+from ..abi import REDUCE_MAX_SOURCES, REDUCE_OP_CODES
 from ..errors import PurlinPlanError
 from ..memory.layout import ARRIVE_SLOTS, DeviceLayout
 from ..snac import (
     Buf, Copy, PacketCopy, PacketPut, PacketReduce, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal,
 )
 
-# The op table's encoding (snac/encoding.py; checked against the library's at native.load()).
+# The op table's encoding (abi.py through snac/encoding.py; checked against the library's at native.load()).
 from ..snac.encoding import (  # noqa: F401  (re-exported: tests and tools read them from here)
     ACK, BARRIER, BARRIER_KIND, BUF_CODES, COPY, DRAIN, DRAINALL, FLAG_INPLACE_ONLY, FLAGS_SHIFT, KIND_NAMES,
-    NOTIFY, NSRC_SHIFT, OP_WORDS, OPCODES, PACKET_COPY, PACKET_KIND, PACKET_PUT, PACKET_REDUCE, REDUCE,
-    REF_BUF_SHIFT, REF_OFFSET_BITS, REF_RANK_BITS, REF_RANK_SHIFT, SIGNAL, SUB_SHIFT, WAIT,
+    NOTIFY, NSRC_MASK, NSRC_SHIFT, OP_WORDS, OPCODE_MASK, OPCODES, PACKET_COPY, PACKET_KIND, PACKET_PUT, PACKET_REDUCE,
+    REDUCE, REF_BUF_SHIFT, REF_OFFSET_BITS, REF_RANK_BITS, REF_RANK_SHIFT, SIGNAL, SUB_MASK, SUB_SHIFT, WAIT,
 )
 
 _BUF = BUF_CODES
-_REDOP = native.REDUCE_OP_CODES
-MAX_REDUCE_SOURCES = native.REDUCE_MAX_SOURCES
+_REDOP = REDUCE_OP_CODES
+MAX_REDUCE_SOURCES = REDUCE_MAX_SOURCES
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,9 @@ def _check_run(recs: list, op: Signal, name: str) -> None:
     """The kernel gives a run of consecutive signals in parallel: no counter may appear twice in one."""
     kind = NOTIFY if op.kind == "notify" else ACK
     for r in reversed(recs):
-        if r[0] & 0xFF != SIGNAL:
+        if r[0] & OPCODE_MASK != SIGNAL:
             return
-        if (r[0] >> SUB_SHIFT) & 0xFF == kind and r[1] == op.peer and r[2] == op.item:
+        if (r[0] >> SUB_SHIFT) & SUB_MASK == kind and r[1] == op.peer and r[2] == op.item:
             raise PurlinPlanError(f"{name}: internal: two {op.kind} signals to rank {op.peer} item {op.item} "
                                   "with no op between them")
 

@@ -10,25 +10,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import providers
 from .host import HostWorkspace
 from .layout import WorkspaceLayout
 
-PROVIDERS = ("auto", "ipc", "nvshmem", "torch", "loopback", "host")
+PROVIDERS = providers.choices()  # the values of config ``memory`` (memory/providers.py)
 
 # GPU providers by name: "module:class", resolved on first use. Each class implements
 # DeviceWorkspace and has create(layout_nbytes, group, device_index, rank, world, *, layout=None).
-DEVICE_PROVIDERS = {
-    "ipc": "purlin_sglang.memory.ipc:IpcWorkspace",
-    "torch": "purlin_sglang.memory.torch_symm:TorchSymmWorkspace",
-    "nvshmem": "purlin_sglang.memory.nvshmem:NvshmemWorkspace",
-}
+DEVICE_PROVIDERS = providers.device_targets()
 
-_LAZY = {
-    "IpcWorkspace": "purlin_sglang.memory.ipc:IpcWorkspace",
-    "TorchSymmWorkspace": "purlin_sglang.memory.torch_symm:TorchSymmWorkspace",
-    "NvshmemWorkspace": "purlin_sglang.memory.nvshmem:NvshmemWorkspace",
-    "DeviceWorkspace": "purlin_sglang.memory.device:DeviceWorkspace",
-}
+_LAZY = {target.rpartition(":")[2]: target for target in DEVICE_PROVIDERS.values()}
+_LAZY["DeviceWorkspace"] = "purlin_sglang.memory.device:DeviceWorkspace"
 
 
 def _resolve(target: str) -> Any:
@@ -37,7 +30,8 @@ def _resolve(target: str) -> Any:
 
 
 def device_provider(name: str) -> type:
-    """The GPU provider class registered as ``name`` ("ipc", "torch", "nvshmem"); loads nothing from CUDA.
+    """The GPU provider class registered as ``name`` (memory/providers.py: "ipc", "torch", "nvshmem");
+    loads nothing from CUDA.
 
     Raises :class:`~purlin_sglang.errors.PurlinUnavailableError` for a provider that is not here.
     """
@@ -65,6 +59,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "HostWorkspace", "WorkspaceLayout", "PROVIDERS", "DEVICE_PROVIDERS", "device_provider",
+    "HostWorkspace", "WorkspaceLayout", "PROVIDERS", "DEVICE_PROVIDERS", "device_provider", "providers",
     "IpcWorkspace", "TorchSymmWorkspace", "NvshmemWorkspace", "DeviceWorkspace",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..errors import PurlinConfigError, PurlinUnavailableError
-from . import setup_phase
+from . import providers, setup_phase
 from .host import HostWorkspace, unlink_shared
 from .layout import DeviceLayout, WorkspaceLayout
 
@@ -28,8 +28,8 @@ OP = "Communicator"  # the name set-up errors start with
 
 def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,
                     shm_dir: str = "/dev/shm", device_index: int = 0) -> Any:
-    """This rank's workspace on provider ``memory`` (``host`` or a GPU provider's name)."""
-    if memory == "host":
+    """This rank's workspace on provider ``memory`` (``host`` or a GPU provider's name: memory/providers.py)."""
+    if memory == providers.HOST:
         return host_workspace(group, rank, world, staging_bytes, shm_dir)
     return device_workspace(memory, group, rank, world, staging_bytes, device_index)
 

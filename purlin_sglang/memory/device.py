@@ -19,7 +19,7 @@ class DeviceWorkspace(Protocol):
     layout: WorkspaceLayout
     rank: int
     device_index: int
-    provider: str  # "loopback" | "ipc" | "nvshmem" | "torch"
+    provider: str  # its name in memory/providers.py
 
     @property
     def base_ptrs(self) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..abi import PACKET_BYTES, PACKET_PAYLOAD, SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_EPOCH_WORDS
 from ..snac.policy import PACKET_WINDOW_BYTES, max_items
 
 RING = 4
@@ -102,10 +103,11 @@ class WorkspaceLayout(_RankLayout):
 
 
 PACKET_MAX_BYTES = PACKET_WINDOW_BYTES  # payload per producer of one packet call (snac.policy; snac/packet.cuh)
-PACKET_BYTES, PACKET_PAYLOAD = 16, 8  # a packet: 8 payload bytes and the epoch twice
 ARRIVE_SLOTS = 2048  # per-rank arrival counters of the CUDA engine's "last block" signals and barriers
-EPOCH_WORDS = 16  # per-block packet epochs: the CUDA engine's grid has at most this many blocks per rank
-DESC_RING, DESC_WORDS = 4, 3  # device call descriptors: slots per producer, int64 words per slot (native.h)
+# From the ABI (abi.py): a packet (8 payload bytes and the epoch twice); per-block packet epochs (the CUDA
+# engine's grid has at most this many blocks per rank); device call descriptors (slots per producer, words).
+EPOCH_WORDS = SNAC_EPOCH_WORDS
+DESC_RING, DESC_WORDS = SNAC_DESC_RING, SNAC_DESC_WORDS
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STATE_BYTES = 128
-MAX_EXPERTS = 4096  # native.h PURLIN_MOE_MAX_EXPERTS
+from ..abi import MOE_MAX_EXPERTS as MAX_EXPERTS, MOE_STATE_BYTES as STATE_BYTES
 
 
 def _align(n: int, a: int) -> int:

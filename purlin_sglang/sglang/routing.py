@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError
 from ..config import PurlinConfig
 from ..config_model import ConfigModel
 from ..errors import PurlinConfigError
+from ..memory import providers
 
 MiB = 1024 * 1024
 
@@ -127,6 +128,7 @@ class PluginConfig(ConfigModel):
         if isinstance(report, bool) or not isinstance(report, (int, float)) or report < 0:
             raise PurlinConfigError(f"{source}: key 'report_interval_s': need seconds >= 0 (got {report!r})")
         purlin = PurlinConfig.from_dict(data, source=source)
+        providers.check_for_groups(purlin.memory, source)  # SGLang's ranks are processes of a group
         try:
             table = RoutingTable.model_validate(routing)
         except ValidationError as e:

@@ -172,9 +172,6 @@ class RankProgram:
     body: tuple[Step, ...]  # executed once per chunk
 
 
-DIRECT = ("direct", "direct-twoshot")  # the plans that read the peers' inputs in the symmetric heap
-
-
 @dataclass(frozen=True)
 class Plan:
     """Everything an engine needs to run one collective on one rank, minus the sizes."""
@@ -183,28 +180,29 @@ class Plan:
     world: int
     rank: int
     root: int | None
-    algorithm: str  # "oneshot" | "twoshot" | "packet" | "hybrid" | "direct" | "direct-twoshot"
+    algorithm: str  # the name of the registered algorithm that built it (snac/registry.py)
     chunk_bytes: int
     slots: int
     n_items: int  # staging items per rank (the same on every rank)
     program: RankProgram
     notes: tuple[str, ...] = field(default=())
-    # "hybrid" only (planner.has_hybrid_form): ``program`` is the packet program; a pair whose region
-    # is at most ``pair_max_bytes`` travels in it, a larger one through ``staged`` (a one-shot plan)
+    # a plan with a staged part (algorithms/hybrid.py): ``program`` is the packet program; a pair whose
+    # region is at most ``pair_max_bytes`` travels in it, a larger one through ``staged`` (a one-shot plan)
     pair_max_bytes: int = 0
     staged: "Plan | None" = None
-    # direct plans only: where every rank's input lies in its staging region (the symmetric heap,
-    # memory/heap.py), in bytes; consumers read their peers' inputs there in place
+    # a plan that reads the symmetric heap (algorithms/direct.py): where every rank's input lies in its
+    # staging region (memory/heap.py), in bytes; consumers read their peers' inputs there in place; -1: none
     input_at: int = -1
 
     @property
     def key(self) -> tuple:
-        """What must agree across ranks for them to be in the same call (sizes aside)."""
+        """What must agree across ranks for them to be in the same call (sizes aside): with the pair
+        bound of a plan with a staged part, and the heap offset of a plan that reads the heap."""
         return (
             self.spec.name, self.spec.input.name, self.spec.output.name, self.spec.consume.name,
             self.world, self.root, self.algorithm, self.chunk_bytes, self.slots, self.n_items,
-        ) + ((self.pair_max_bytes,) if self.algorithm == "hybrid" else ()) + (
-            (self.input_at,) if self.algorithm in DIRECT else ())
+        ) + ((self.pair_max_bytes,) if self.staged is not None else ()) + (
+            (self.input_at,) if self.input_at >= 0 else ())
 
     def describe(self) -> str:
         """A readable listing of the plan (deterministic: the same plan prints the same text)."""

@@ -1,47 +1,39 @@
 """The SNAC planner: one derivation of Stage / Notify / Consume from a naming.
 
-Nothing here knows a collective by name. The planner reads the spec's input and
-output layouts and consume op and answers, for one rank: which regions it stages
-into which items, who reads each item, which peers' items it waits for and how it
-copies or reduces them into its output. These shapes of program come out:
+Nothing here knows a collective by name, nor an algorithm. The planner reads the spec's input and
+output layouts and consume op; each algorithm (a registered unit: snac/registry.py, one module each
+in snac/algorithms/) builds, for one rank, which regions it stages into which items, who reads each
+item, which peers' items it waits for and how it copies or reduces them into its output, from the
+helpers below. The built-in algorithms:
 
-* ``oneshot`` (latency regime, and every copy collective): each consumer reads
-  every producer's contribution directly, one step.
+* ``oneshot`` (latency regime, and every copy collective): each consumer reads every producer's
+  contribution directly, one step (algorithms/oneshot.py).
+* ``twoshot`` (reductions into a packed output that every rank receives, e.g. all_reduce): the
+  output is cut into ``world`` parts, rank ``q`` reduces part ``q`` from everyone, then every rank
+  copies every reduced part (algorithms/twoshot.py).
 * ``packet`` (latency regime of every fixed-size collective, engines with the packet protocol):
-  each producer pushes what the naming sends each consumer into that consumer's receive window as
-  flag-in-data packets; consumers copy or reduce straight from their windows; a pair of ranks the
-  naming leaves silent (rooted forms) exchanges one empty packet. No staging, no signals, no acks:
-  one step, twice the bytes.
+  flag-in-data packets pushed into each consumer's receive window (algorithms/packet.py).
 * ``hybrid`` (all_to_all_v and namings like it, engines with the packet protocol): per ordered
-  pair, a region of at most ``pair_max_bytes`` travels as packets, a larger one through a
-  one-shot of those pairs only; both ends of a pair know its size, so they agree (below).
-* ``direct`` (every collective with a packet form, when every rank's input lies in the symmetric
-  heap at the same offset: memory/heap.py): each producer tells its consumers that its input is
-  ready, each consumer copies or reduces the producers' inputs in place, acknowledges, and the
-  producer waits for the acknowledgements before its call ends (the caller may then overwrite the
-  input). No staging: one read of each input per consumer. Chosen by the call path where the
-  staged one-shot would run; ``direct-twoshot`` where the two-shot would (all_reduce): rank ``q``
-  reduces part ``q`` of every input in place into its staged shard, every rank copies every shard.
-* ``twoshot`` (partitioned; reductions into a packed output that every rank
-  receives, e.g. all_reduce): the output is cut into ``world`` parts, rank ``q``
-  reduces part ``q`` from everyone into a staging item, then every rank copies
-  every reduced part. Each rank reads ``2(n-1)/n`` of the payload instead of
-  ``n-1`` payloads.
+  pair, packets or a one-shot of the larger pairs (algorithms/hybrid.py).
+* ``direct`` / ``direct-twoshot`` (inputs in the symmetric heap): the one-shot and the two-shot
+  reading every rank's input in place (algorithms/direct.py, algorithms/direct_twoshot.py).
 
-Both are chunked: the body runs once per chunk of at most ``chunk_bytes``, and
-staging items cycle through ``slots`` slots, so payloads larger than the staging
-buffer work (the throughput regime is the same program with many chunks).
+The staged ones are chunked: the body runs once per chunk of at most ``chunk_bytes``, and staging
+items cycle through ``slots`` slots, so payloads larger than the staging buffer work (the
+throughput regime is the same program with many chunks).
+
+:func:`select` is the one selector: from the tuning policy, a tuning table's bands and the call's
+size it returns a registry entry; :func:`make_plan` asks that entry for the plan.
 """
 
 from __future__ import annotations
 
 from ..collectives import COPY, CollectiveSpec
 from ..errors import PurlinPlanError
-from .plan import (
-    DIRECT, Ack, Beat, Buf, ConsumeStep, Drain, DrainAll, Hear, Item, Notify, Plan, Push, RankProgram, Ref, Stage,
-    Step, Wait,
-)
-from .policy import ALIGN, PACKET_WINDOW_BYTES, TuningPolicy, max_items
+from . import registry
+from .plan import Buf, ConsumeStep, Plan, Ref
+from .policy import ALIGN, AUTO, TuningPolicy
+from .registry import Algorithm, Request, Selection
 
 
 def producers(spec: CollectiveSpec, world: int, root: int | None) -> tuple[int, ...]:
@@ -88,6 +80,11 @@ def has_hybrid_form(spec: CollectiveSpec) -> bool:
     return spec.variable and spec.input.sliced and spec.output.sliced and not spec.rooted
 
 
+def reduces_to_all(spec: CollectiveSpec) -> bool:
+    """Reductions of a packed payload into a packed output on every rank (all_reduce): the two-shot form."""
+    return not spec.consume.is_copy and not spec.input.sliced and not spec.output.sliced and not spec.rooted
+
+
 def packet_push_bytes(spec: CollectiveSpec, nbytes: int, world: int | None) -> int:
     """The largest single push of a call whose input is ``nbytes`` bytes on this rank: a sliced
     input sends one slice per consumer (``world`` None counts the whole input: never smaller). For a
@@ -106,10 +103,10 @@ def largest_push(sizes) -> int:
 
 
 def algorithms_of(spec: CollectiveSpec, *, packets: bool) -> tuple[str, ...]:
-    """The algorithms ``spec`` has on an engine with (``packets``) or without the packet protocol."""
-    return (("packet",) if packets and has_packet_form(spec) else ()) + (
-        ("hybrid",) if packets and has_hybrid_form(spec) else ()) + ("oneshot",) + (
-        ("twoshot",) if _reduces_to_all(spec) else ())
+    """The algorithms ``spec`` has on an engine with (``packets``) or without the packet protocol: the
+    registered ones a tuning table may name (``purlin-sglang tune`` times them), in registration order."""
+    return tuple(e.name for e in registry.registered()
+                 if e.tunable and e.has_form(spec) and (packets or not e.packets))
 
 
 def band(bands: tuple[tuple[int, str], ...], nbytes: int) -> str:
@@ -121,49 +118,49 @@ def band(bands: tuple[tuple[int, str], ...], nbytes: int) -> str:
     return bands[-1][1]
 
 
-def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
-                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None,
-                     push: int | None = None) -> str:
-    """The regime of one call; ``nbytes``: this rank's input bytes, ``world``: the group size.
+def selection(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
+              world: int | None = None, push: int | None = None) -> Selection:
+    """What the selector knows of a call (registry.Selection); ``push`` defaults to
+    :func:`packet_push_bytes` of ``nbytes`` for a fixed form."""
+    if push is None and nbytes is not None and not spec.variable:
+        push = packet_push_bytes(spec, nbytes, world)
+    return Selection(spec, nbytes, push, policy, packets)
 
-    ``packets``: the engine runs the packet protocol (else ``packet`` becomes ``oneshot``, the same
-    result bitwise). Collectives with a packet form (:func:`has_packet_form`) take ``packet`` when
-    forced, or under ``auto`` when the largest push fits ``packet_max_bytes`` (and the window).
-    Collectives with a hybrid form (:func:`has_hybrid_form`) take ``hybrid`` under ``auto`` and
-    ``packet`` (``pair_max_bytes``: :func:`hybrid_pair_max`). Beyond that, only reductions of a
-    packed payload into a packed output on every rank have a choice (``oneshot`` / ``twoshot``);
-    everything else is ``oneshot``.
 
-    ``bands``: this collective's measured bands from a tuning table (snac/table.py), used under
-    ``auto`` for a known ``nbytes`` in place of the thresholds above, where the band's algorithm can
-    run (``packet`` needs the protocol and a push that fits the window; else the thresholds decide).
-    Tables hold fixed forms only: a V form's bands are ignored.
+def select(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
+           world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None,
+           push: int | None = None) -> Algorithm:
+    """The algorithm (a registry entry) of one call; ``nbytes``: this rank's input bytes, ``world``: the
+    group size. The one selector: the call path, :func:`make_plan` and the tuning tools ask it.
+
+    Only algorithms the call may run are candidates (:meth:`Algorithm.runs`: the naming has the form,
+    and ``packets``, the engine runs the packet protocol, where the algorithm needs it). A forced
+    ``tuning.algorithm`` takes the candidate of highest priority that it asks for (``forced_by``).
+    Under ``auto``, ``bands`` (this collective's measured bands from a tuning table, snac/table.py)
+    decide for a known ``nbytes`` where the band's algorithm is a candidate whose ``fits`` accepts the
+    call (tables hold fixed forms only: a V form's bands are ignored); else the candidate of highest
+    priority whose ``auto`` rule takes the call (the thresholds ``packet_max_bytes`` and
+    ``oneshot_max_bytes``). Else the registry's fallback.
 
     ``push``: the group's largest push (:func:`largest_push`), which a V form must give (its
     ``nbytes`` differ between ranks); else :func:`packet_push_bytes` of ``nbytes``.
     The answer depends only on its arguments: ranks that agree on them agree on the algorithm."""
-    algorithm = policy.algorithm
-    if push is None and nbytes is not None and not spec.variable:
-        push = packet_push_bytes(spec, nbytes, world)
-    fits = push is not None and push <= PACKET_WINDOW_BYTES
-    if algorithm == "auto" and bands and nbytes is not None and not spec.variable:
-        measured = band(bands, nbytes)
-        if measured != "packet":
+    sel = selection(spec, nbytes, policy, packets=packets, world=world, push=push)
+    candidates = [e for e in registry.by_priority() if e.runs(sel)]
+    if policy.algorithm != AUTO:
+        return next((e for e in candidates if policy.algorithm in e.forced_by), registry.fallback())
+    if bands and nbytes is not None and not spec.variable:
+        measured = registry.find(band(bands, nbytes))
+        if measured in candidates and measured.fits(sel):
             return measured
-        if packets and has_packet_form(spec) and fits:
-            return "packet"
-    if packets and algorithm in ("auto", "packet") and has_packet_form(spec):
-        if algorithm == "packet":
-            return "packet"
-        if fits and push <= policy.packet_max_bytes:
-            return "packet"
-    if packets and algorithm in ("auto", "packet") and has_hybrid_form(spec):
-        return "hybrid"
-    if not _reduces_to_all(spec) or algorithm in ("oneshot", "packet"):
-        return "oneshot"
-    if algorithm == "twoshot" or nbytes is None:  # size resolved later (e.g. on device): bounded traffic
-        return "twoshot"
-    return "oneshot" if nbytes <= policy.oneshot_max_bytes else "twoshot"
+    return next((e for e in candidates if e.auto is not None and e.auto(sel)), registry.fallback())
+
+
+def choose_algorithm(spec: CollectiveSpec, nbytes: int | None, policy: TuningPolicy, *, packets: bool = False,
+                     world: int | None = None, bands: tuple[tuple[int, str], ...] | None = None,
+                     push: int | None = None) -> str:
+    """The name of :func:`select`'s answer (what ``Communicator.algorithm`` reports)."""
+    return select(spec, nbytes, policy, packets=packets, world=world, bands=bands, push=push).name
 
 
 def make_plan(
@@ -180,13 +177,13 @@ def make_plan(
 ) -> Plan:
     """Derive the plan of ``spec`` for ``rank`` of ``world``.
 
-    ``algorithm``: the regime the caller chose with :func:`choose_algorithm` (``packet``, ``hybrid``,
-    ``oneshot`` or ``twoshot``; the Communicator decides once per call shape and passes it
-    here). None: choose it here from ``nbytes`` (the per-rank payload, if known on the host)
-    and ``policy``, as for an engine with packets exactly when ``policy.algorithm`` forces them.
-    The plan's structure does not depend on ``nbytes``. Deterministic: the same arguments give
-    an equal plan. ``input_at``: for ``direct``, where every rank's input lies in its staging region
-    (the symmetric heap), in bytes.
+    ``algorithm``: the name of the registered algorithm the caller chose with :func:`select` (the
+    Communicator decides once per call shape and passes it here). None: choose it here from ``nbytes``
+    (the per-rank payload, if known on the host) and ``policy``, as for an engine with packets exactly
+    when ``policy.algorithm`` forces an algorithm that needs them. The plan's structure does not depend
+    on ``nbytes``. Deterministic: the same arguments give an equal plan. ``input_at``: for an algorithm
+    that reads the symmetric heap (``direct``), where every rank's input lies in its staging region, in
+    bytes.
     """
     policy = policy or TuningPolicy()
     if world < 1:
@@ -199,52 +196,18 @@ def make_plan(
     else:
         root = None
     if algorithm is None:
-        algorithm = choose_algorithm(spec, nbytes, policy, packets=policy.algorithm == "packet", world=world)
+        forced_packets = any(e.packets for e in registry.registered() if policy.algorithm in e.forced_by)
+        entry = select(spec, nbytes, policy, packets=forced_packets, world=world)
     else:
-        _check_algorithm(spec, algorithm)
-    if algorithm == "packet":
-        body = _packet(spec, world, rank, root)
-        program = RankProgram(rank, (), (), tuple(body))
-        notes = (f"flag-in-data packets pushed into each consumer's window; at most {PACKET_WINDOW_BYTES} "
-                 "payload bytes per call",)
-        return Plan(spec, world, rank, root, algorithm, PACKET_WINDOW_BYTES, 1, 0, program, notes)
-    if algorithm in DIRECT:
-        if input_at < 0:
-            raise PurlinPlanError(f"{spec.name}: a direct plan needs input_at, where every rank's input lies in "
-                                  "its symmetric heap")
-        notes = (f"every rank's input at byte {input_at} of its staging region (the symmetric heap), read in place",)
-        if algorithm == "direct":
-            program = RankProgram(rank, (), (), tuple(_direct(spec, world, rank, root)))
-            return Plan(spec, world, rank, root, algorithm, 0, 1, 1, program, notes, input_at=input_at)
-        items, body = _direct_twoshot(spec, world, rank)
-        chunk = _chunk_bytes(spec, staging_bytes, 1, policy)  # one staged item: my shard
-        program = RankProgram(rank, tuple(items), (DrainAll(),), tuple(body))
-        return Plan(spec, world, rank, root, algorithm, chunk, policy.slots, 1, program,
-                    notes + (f"output cut into {world} parts; part q reduced by rank q into its staged shard",),
-                    input_at=input_at)
-    if algorithm == "hybrid":
-        staged = make_plan(spec, world, rank, root=root, staging_bytes=staging_bytes, policy=policy,
-                           algorithm="oneshot")
-        pair_max = hybrid_pair_max(policy)
-        program = RankProgram(rank, (), (), tuple(_packet(spec, world, rank, root)))
-        notes = (f"per pair: at most {pair_max} bytes as flag-in-data packets, more through the one-shot below "
-                 "(that pair then exchanges one empty packet)",)
-        return Plan(spec, world, rank, root, algorithm, staged.chunk_bytes, staged.slots, staged.n_items, program,
-                    notes, pair_max_bytes=pair_max, staged=staged)
-    if algorithm == "twoshot":
-        items, body, notes = _twoshot(spec, world, rank)
-        n_items = max_items(world)
-    else:
-        items, body, notes = _oneshot(spec, world, rank, root)
-        n_items = world if spec.input.sliced else 1
-    slots = policy.slots
-    chunk = _chunk_bytes(spec, staging_bytes, n_items, policy)
-    prologue: tuple[Step, ...] = (DrainAll(),) if items else ()
-    program = RankProgram(rank, tuple(items), prologue, tuple(body))
-    return Plan(spec, world, rank, root, algorithm, chunk, slots, n_items, program, tuple(notes))
+        entry = registry.find(algorithm)
+        if entry is None:
+            raise PurlinPlanError(f"{spec.name}: {registry.unknown(algorithm)}")
+        if not entry.has_form(spec):
+            raise PurlinPlanError(f"{spec.name}: has no {entry.form}")
+    return entry.plan(Request(entry, spec, world, rank, root, staging_bytes, policy, input_at))
 
 
-def _chunk_bytes(spec: CollectiveSpec, staging_bytes: int, n_items: int, policy: TuningPolicy) -> int:
+def chunk_bytes(spec: CollectiveSpec, staging_bytes: int, n_items: int, policy: TuningPolicy) -> int:
     """The chunk of a staged plan: ``n_items`` items x ``tuning.slots`` slots share the staging, at
     most ``tuning.max_chunk_bytes`` each, aligned to ALIGN; too little staging is a PurlinPlanError."""
     slots = policy.slots
@@ -258,187 +221,23 @@ def _chunk_bytes(spec: CollectiveSpec, staging_bytes: int, n_items: int, policy:
     return chunk
 
 
-def _check_algorithm(spec: CollectiveSpec, algorithm: str) -> None:
-    """A chosen ``algorithm`` must be one that ``spec`` has (what :func:`choose_algorithm` can answer)."""
-    if algorithm == "packet" and not has_packet_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no packet form (V forms sliced on both sides, and rooted V forms, "
-                              "stay staged)")
-    if algorithm == "direct" and not has_packet_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no direct form (only collectives whose sizes every rank knows, "
-                              "as for packets)")
-    if algorithm == "direct-twoshot" and not _reduces_to_all(spec):
-        raise PurlinPlanError(f"{spec.name}: has no direct two-shot form (only reductions of a packed payload into "
-                              "a packed output on every rank)")
-    if algorithm == "hybrid" and not has_hybrid_form(spec):
-        raise PurlinPlanError(f"{spec.name}: has no hybrid form (only V forms sliced on both sides, with no root)")
-    if algorithm == "twoshot" and not _reduces_to_all(spec):
-        raise PurlinPlanError(f"{spec.name}: has no two-shot form (only reductions of a packed payload into a "
-                              "packed output on every rank)")
-    if algorithm not in ("packet", "hybrid", "oneshot", "twoshot") + DIRECT:
-        raise PurlinPlanError(f"{spec.name}: algorithm must be 'packet', 'hybrid', 'oneshot', 'twoshot', 'direct' or "
-                              f"'direct-twoshot', got {algorithm!r}")
-
-
-def hybrid_pair_max(policy: TuningPolicy) -> int:
-    """The largest region one pair moves as packets in a ``hybrid`` call: ``tuning.packet_max_bytes``
-    (a push of a fixed form takes packets up to the same size), a whole receive window when
-    ``tuning.algorithm`` forces packets. The same on every rank of a group (one config)."""
-    return PACKET_WINDOW_BYTES if policy.algorithm == "packet" else policy.packet_max_bytes
-
-
-def _reduces_to_all(spec: CollectiveSpec) -> bool:
-    """Reductions of a packed payload into a packed output on every rank (all_reduce): the two-shot form."""
-    return not spec.consume.is_copy and not spec.input.sliced and not spec.output.sliced and not spec.rooted
-
-
-def _sent(spec: CollectiveSpec, me: int, c: int) -> Ref:
+# ---- program helpers the algorithms share --------------------------------------------------------------------
+def sent(spec: CollectiveSpec, me: int, c: int) -> Ref:
     """What I send consumer ``c``: my input slice ``c``, or my whole packed input."""
     return Ref(Buf.INPUT, me, c if spec.input.sliced else None)
 
 
-def _consume(spec: CollectiveSpec, me: int, prods: tuple[int, ...], remote) -> list[ConsumeStep]:
-    """My consume steps: each producer's contribution (``remote(p)`` for a peer, my own input for
-    me) copied into its landing region, or all of them reduced in rank order into my output."""
-    def source(p: int) -> Ref:
-        return _sent(spec, me, me) if p == me else remote(p)
-
-    if spec.output.sliced or spec.consume.is_copy:
-        return [ConsumeStep(COPY, _landing(spec, me, p), (source(p),)) for p in prods]
-    return [ConsumeStep(spec.consume, _landing(spec, me, prods[0]), tuple(source(p) for p in prods))]
-
-
-def _landing(spec: CollectiveSpec, me: int, p: int) -> Ref:
+def landing(spec: CollectiveSpec, me: int, p: int) -> Ref:
     """Where producer ``p``'s contribution lands in my output: slice ``p``, or the whole output."""
     return Ref(Buf.OUTPUT, me, p if spec.output.sliced else None)
 
 
-def _oneshot(spec: CollectiveSpec, world: int, me: int, root: int | None):
-    """Every consumer reads each producer's contribution straight from the producer's staging."""
-    prods = producers(spec, world, root)
-    cons = consumers(spec, world, root)
-    items: list[Item] = []
-    body: list[Step] = []
-    # Stage: what I send, one item per distinct region.
-    if me in prods:
-        if spec.input.sliced:
-            for c in cons:
-                if c != me:
-                    items.append(Item(c, _sent(spec, me, c), (c,)))
-        else:
-            readers = tuple(c for c in cons if c != me)
-            if readers:
-                items.append(Item(0, Ref(Buf.INPUT, me, None), readers))
-    for it in items:
-        body.append(Drain(it.index))
-        body.append(Stage(it.like, it.index))
-        body.append(Notify(it.index, it.readers))
-    # Consume: where each producer's contribution lands in my output.
-    if me in cons:
-        item_for_me = me if spec.input.sliced else 0
-        remote = [p for p in prods if p != me]
-        for p in remote:
-            body.append(Wait(p, item_for_me, _landing(spec, me, p)))
-        body += _consume(spec, me, prods, lambda p: Ref(Buf.STAGE, p, item_for_me))
-        for p in remote:
-            body.append(Ack(p, item_for_me, _landing(spec, me, p)))
-    return items, body, ()
+def consume_steps(spec: CollectiveSpec, me: int, prods: tuple[int, ...], remote) -> list[ConsumeStep]:
+    """My consume steps: each producer's contribution (``remote(p)`` for a peer, my own input for
+    me) copied into its landing region, or all of them reduced in rank order into my output."""
+    def source(p: int) -> Ref:
+        return sent(spec, me, me) if p == me else remote(p)
 
-
-def _direct(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:
-    """Tell my readers my input is ready (item 0: no staging is used), wait for my producers', copy or
-    reduce their inputs in place (what ``p`` sends me: its input slice ``me``, or its whole input),
-    acknowledge, then wait until every reader has acknowledged mine (``Drain``)."""
-    prods, cons = producers(spec, world, root), consumers(spec, world, root)
-    readers = tuple(c for c in cons if c != me) if me in prods else ()
-    body: list[Step] = [Notify(0, readers)] if readers else []
-    if me in cons:
-        remote = [p for p in prods if p != me]
-        body += [Wait(p, 0, _landing(spec, me, p)) for p in remote]
-        body += _consume(spec, me, prods, lambda p: _sent(spec, p, me))
-        body += [Ack(p, 0, _landing(spec, me, p)) for p in remote]
-    if readers:
-        body.append(Drain(0))
-    return body
-
-
-def _direct_twoshot(spec: CollectiveSpec, world: int, me: int):
-    """The two-shot with every input read in place: after the inputs-ready exchange (item 0), reduce
-    part ``me`` of every rank's input into my shard (staged, item ``world``: its chunks cycle through the
-    slots), then copy every rank's shard into my output; acknowledge the inputs (no wait for my readers:
-    they read my input before they notify their shards, all of which I copy). Lowered chunk by chunk as
-    the two-shot is (lower._lower_direct_twoshot); the steps print the plan."""
-    n, shard = world, world
-    others = tuple(q for q in range(n) if q != me)
-
-    def in_part(q: int, rank: int = me) -> Ref:
-        return Ref(Buf.INPUT, rank, None, (q, n))
-
-    def out_part(q: int) -> Ref:
-        return Ref(Buf.OUTPUT, me, None, (q, n))
-
-    items = [Item(shard, in_part(me), others)]
-    body: list[Step] = [Notify(0, others)] if others else []
-    body += [Wait(p, 0, in_part(me)) for p in others]
-    body += [Drain(shard),
-             ConsumeStep(spec.consume, Ref(Buf.STAGE, me, shard), tuple(in_part(me, p) for p in range(n)))]
-    if others:
-        body.append(Notify(shard, others))
-    body += [Wait(q, shard, out_part(q)) for q in others]
-    body += [ConsumeStep(COPY, out_part(q), (Ref(Buf.STAGE, q, shard),)) for q in range(n)]
-    body += [Ack(q, shard, out_part(q)) for q in others] + [Ack(p, 0, in_part(me)) for p in others]
-    return items, body
-
-
-def _packet(spec: CollectiveSpec, world: int, me: int, root: int | None) -> list[Step]:
-    """Push what I send each consumer into its window (rotated: start at me + 1), then consume the
-    packets each producer pushed to me: one copy per producer, or one reduce in rank order. A pair
-    of ranks between which the naming moves nothing (rooted forms) exchanges one empty packet
-    (:class:`Beat`, then :class:`Hear` after my consumes): the window-reuse rule of has_packet_form."""
-    prods, cons = producers(spec, world, root), consumers(spec, world, root)
-
-    def moves(p: int, c: int) -> bool:  # the naming moves a region from p to c
-        return p in prods and c in cons
-
-    others = [(me + d) % world for d in range(1, world)]
-    body: list[Step] = [Push(_sent(spec, me, c), c) if moves(me, c) else Beat(c) for c in others]
-    if me in cons:
-        body += _consume(spec, me, prods, lambda p: Ref(Buf.WINDOW, p))
-    body += [Hear(p) for p in others if not moves(p, me)]
-    peers = [s.peer for s in body if isinstance(s, Push)]
-    windows = [x.rank for s in body if isinstance(s, ConsumeStep) for x in s.srcs if x.buf is Buf.WINDOW]
-    if len(set(peers)) < len(peers) or len(set(windows)) < len(windows):  # the window is per producer
-        raise PurlinPlanError(f"{spec.name}: the packet protocol carries one region from each producer to each "
-                              "consumer per call; use tuning.algorithm='oneshot'")
-    return body
-
-
-def _twoshot(spec: CollectiveSpec, world: int, me: int):
-    """Reduce part ``me`` of everyone's input into my shard item, then copy every shard out."""
-    n = world
-    shard = n  # item index of my reduced part
-    others = tuple(q for q in range(n) if q != me)
-
-    def in_part(q: int) -> Ref:
-        return Ref(Buf.INPUT, me, None, (q, n))
-
-    def out_part(q: int) -> Ref:
-        return Ref(Buf.OUTPUT, me, None, (q, n))
-
-    items = [Item(q, in_part(q), (q,)) for q in others]
-    items.append(Item(shard, in_part(me), others))
-    body: list[Step] = []
-    for q in others:  # reduce-scatter of the parts
-        body += [Drain(q), Stage(in_part(q), q), Notify(q, (q,))]
-    body += [Wait(p, me, in_part(me)) for p in others]
-    body.append(Drain(shard))
-    srcs = tuple(in_part(me) if p == me else Ref(Buf.STAGE, p, me) for p in range(n))
-    body.append(ConsumeStep(spec.consume, Ref(Buf.STAGE, me, shard), srcs))
-    body += [Ack(p, me, in_part(me)) for p in others]
-    if others:  # all-gather of the reduced parts
-        body.append(Notify(shard, others))
-    body += [Wait(q, shard, out_part(q)) for q in others]
-    for q in range(n):
-        body.append(ConsumeStep(COPY, out_part(q), (Ref(Buf.STAGE, q, shard),)))
-    body += [Ack(q, shard, out_part(q)) for q in others]
-    notes = (f"output cut into {n} parts aligned to {ALIGN} bytes; part q is reduced by rank q",)
-    return items, body, notes
+    if spec.output.sliced or spec.consume.is_copy:
+        return [ConsumeStep(COPY, landing(spec, me, p), (source(p),)) for p in prods]
+    return [ConsumeStep(spec.consume, landing(spec, me, prods[0]), tuple(source(p) for p in prods))]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..config_model import ConfigModel
+from . import registry
 
 ALIGN = 16  # bytes: the alignment unit of partitions, chunks and staging slots
 # Payload of one push, one rank to another per call (the receive window); the windows take
 # 2 parities x world producers x 2 x this per rank (packets are twice their payload): 8 MiB at 8 ranks.
 PACKET_WINDOW_BYTES = 256 * 1024
+AUTO = "auto"  # tuning.algorithm: the selector decides (snac/planner.py select)
 
 
 def max_items(world: int) -> int:
@@ -24,8 +24,10 @@ def max_items(world: int) -> int:
 class TuningPolicy(ConfigModel):
     """How the planner chooses between the latency and the throughput regime.
 
-    * ``algorithm``: where the engine has the packet protocol (the CUDA engine; the CPU engine
-      runs ``oneshot`` instead, with bitwise the same result), ``auto`` picks ``packet`` for
+    * ``algorithm``: ``auto``, or a name a registered algorithm is forced by (snac/registry.py; the
+      built-in ones: ``packet``, ``oneshot``, ``twoshot``). Where the engine has the packet protocol
+      (the CUDA engine; the CPU engine runs ``oneshot`` instead, with bitwise the same result),
+      ``auto`` picks ``packet`` for
       every collective with a packet form (fixed sizes: all_reduce, all_gather, reduce_scatter,
       all_to_all, rooted namings too, and user namings like them) while the largest single push
       (the input, or one slice of a sliced input) is at most ``packet_max_bytes``. Otherwise,
@@ -51,9 +53,17 @@ class TuningPolicy(ConfigModel):
       staging budget allows, so small payloads run in a single chunk.
     """
 
-    algorithm: Literal["auto", "packet", "oneshot", "twoshot"] = "auto"
+    algorithm: str = AUTO
     packet_max_bytes: int = Field(64 * 1024, ge=0, le=PACKET_WINDOW_BYTES)  # measured: RESULTS.md
     oneshot_max_bytes: int = Field(256 * 1024, ge=0)
     table: str | None = Field(None, min_length=1)
     slots: int = Field(2, ge=1, le=64)
     max_chunk_bytes: int = Field(4 * 1024 * 1024, ge=ALIGN)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        names = registry.forced_names()
+        if value != AUTO and value not in names:
+            raise ValueError(f"must be '{AUTO}' or one of {', '.join(repr(n) for n in names)} (a registered algorithm)")
+        return value

@@ -43,7 +43,6 @@ from ..errors import PurlinConfigError
 from .planner import algorithms_of
 
 FORMAT = 1
-ALGORITHMS = ("packet", "oneshot", "twoshot")
 PLACEMENTS = ("one_gpu", "gpu_per_rank", "any")
 KEY = "tuning.table"
 THRESHOLDS = "thresholds"  # tuning.table value: the built-in thresholds only, no shipped table

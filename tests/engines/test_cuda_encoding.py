@@ -27,6 +27,7 @@ from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.engines.base import fold32
 from purlin_sglang.memory.layout import PACKET_MAX_BYTES, DeviceLayout
+from purlin_sglang.snac import Buf
 
 _REDOPS = {1: ReduceOp.SUM, 2: ReduceOp.MAX, 3: ReduceOp.MIN}
 _SHARED: dict = {}
@@ -70,9 +71,9 @@ class _Sim:
         pass
 
     def _buf(self, ref: int, ctx):
-        u = ref & ((1 << 64) - 1)
-        buf, rank, off = u >> 62, (u >> 48) & 0x3FFF, u & ((1 << 48) - 1)
-        base = ctx.inp if buf == 0 else ctx.out if buf == 1 else self.stage[rank]
+        buf, rank, off = _ref_fields(ref)
+        base = ctx.inp if buf == co.BUF_CODES[Buf.INPUT] else ctx.out if buf == co.BUF_CODES[Buf.OUTPUT] \
+            else self.stage[rank]
         return base, off
 
     def _span(self, ref, n, ctx):
@@ -159,17 +160,17 @@ class _Sim:
 
     def _packets(self, ref, e, n, ctx):
         """A packet op's source: a window (wait for its producer's packets of epoch e), else a direct span."""
-        u = ref & ((1 << 64) - 1)
-        if u >> 62 != 3:
+        buf, producer, off = _ref_fields(ref)
+        if buf != co.BUF_CODES[Buf.WINDOW]:
             return self._span(ref, n, ctx)
-        key, t0 = (self.rank, e & 1, (u >> 48) & 0x3FFF), time.monotonic()
+        key, t0 = (self.rank, e & 1, producer), time.monotonic()
         seen = first = self._desc_load(key[2])  # loaded with the first packets (packet.cuh)
         while self.windows.get(key, (0,))[0] != e:
             seen = self._stalled(key[2], t0, f"no packets {key} of epoch {e}", seen)
             time.sleep(0)
         self._differs(key[2], first)  # the kernel compares the word loaded with the first packets
         win = self.windows[key]
-        assert win[1].numel() == n and u & ((1 << 48) - 1) == 0, (win[1].numel(), n, u)
+        assert win[1].numel() == n and off == 0, (win[1].numel(), n, ref)
         win[2] = True
         return win[1]
 
@@ -201,7 +202,9 @@ class _Sim:
             self._push_descriptor(ctx)
         for i in range(enc.n_ops):
             o = [int(v) for v in enc.words[i * co.OP_WORDS: (i + 1) * co.OP_WORDS]]
-            code, sub, nsrc = o[0] & 0xFF, (o[0] >> 8) & 0xFF, (o[0] >> 16) & 0xFF
+            # word 0's fields through the ABI's constants, as snac/ops.cuh decodes them
+            code = o[0] & co.OPCODE_MASK
+            sub, nsrc = (o[0] >> co.SUB_SHIFT) & co.SUB_MASK, (o[0] >> co.NSRC_SHIFT) & co.NSRC_MASK
             if code == co.COPY:
                 self._span(o[1], o[3], ctx).copy_(self._span(o[2], o[3], ctx))
             elif code == co.REDUCE:
@@ -240,6 +243,13 @@ class _Sim:
         up = enc.words[enc.n_ops * co.OP_WORDS:]
         for j in range(enc.n_updates):
             mine[int(up[2 * j]) // 8] += int(up[2 * j + 1])
+
+
+def _ref_fields(ref: int) -> tuple[int, int, int]:
+    """(buf, rank, byte offset) of a buffer reference, as snac/ops.cuh's ref_buf / ref_rank / ref_offset."""
+    u = ref & ((1 << 64) - 1)
+    return (u >> co.REF_BUF_SHIFT, (u >> co.REF_RANK_SHIFT) & ((1 << co.REF_RANK_BITS) - 1),
+            u & ((1 << co.REF_OFFSET_BITS) - 1))
 
 
 def _desc_word(seq: int, payload: int) -> int:

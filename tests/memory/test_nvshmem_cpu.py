@@ -357,7 +357,8 @@ def test_registry_and_lazy_export():
 def test_engine_lists_nvshmem_as_wired_for_groups():
     from purlin_sglang import engines
 
-    assert "nvshmem" in engines._CUDA_READY["group"]
+    cuda = next(e for e in engines.ENGINES if e.name == "cuda")
+    assert "nvshmem" in cuda.memories and "nvshmem" not in cuda.virtual_memories
 
 
 def test_import_has_no_side_effects():

@@ -19,7 +19,8 @@ from purlin_sglang.snac import (
     TuningPolicy, WaitDrainAll, WaitSignal, algorithms_of, choose_algorithm, has_hybrid_form, has_packet_form, lower,
     make_plan,
 )
-from purlin_sglang.snac.planner import _packet, largest_push
+from purlin_sglang.snac.algorithms.packet import program as packet_program
+from purlin_sglang.snac.planner import largest_push
 from purlin_sglang.snac.policy import PACKET_WINDOW_BYTES
 
 ALL_SPECS = sorted(S.NAMED_SPECS.values(), key=lambda s: s.name) + S.all_valid_namings()
@@ -410,7 +411,7 @@ def test_rooted_packet_plans_without_beats_would_overwrite_unread_windows():
     not read yet (the planner's plan with its beats and hears taken out)."""
     world, root = 3, 0
     sizes = S.consistent_sizes(BROADCAST, world, root, [[40] * world] * world, [[40] * world] * world)
-    bodies = [tuple(s for s in _packet(BROADCAST, world, r, root) if not isinstance(s, (Beat, Hear)))
+    bodies = [tuple(s for s in packet_program(BROADCAST, world, r, root) if not isinstance(s, (Beat, Hear)))
               for r in range(world)]
     scheds = [lower(Plan(BROADCAST, world, r, root, "packet", PACKET_WINDOW_BYTES, 1, 0,
                          RankProgram(r, (), (), bodies[r])), sizes[r]) for r in range(world)]

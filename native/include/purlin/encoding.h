@@ -1,24 +1,36 @@
 // Constants shared by the kernels (snac/, moe/) and the layout export (abi.cpp): the SNAC op-table
-// encoding, the host-mapped error records, the packet format and the MoE state words. Plain C++
-// (no CUDA), so the host-only build exports the same values. Python keeps its own copies
-// (purlin_sglang/engines/cuda_ops.py, native.py); native.load() compares them with
-// purlin_native_layout() and refuses a library that disagrees.
+// encoding, the kernel kinds, the host-mapped error records, the packet and descriptor formats and the
+// MoE state words. Plain C++ (no CUDA), so the host-only build exports the same values. The kernels
+// decode records only through these names (snac/ops.cuh: opcode_of, sub_of, ref_rank, ...), so the
+// values exported here are the values the kernels run with. Python keeps its own copies in one module
+// (purlin_sglang/abi.py); native.load() compares them with purlin_native_layout() and refuses a
+// library that disagrees.
 #pragma once
 #include "purlin/native.h"
 
 namespace purlin::snac {
 
-// Word 0 of a record: opcode | sub << 8 | nsrc << 16 | flags << 24.
+// Word 0 of a record: opcode | sub << kSubShift | nsrc << kNsrcShift | flags << kFlagsShift, each
+// field within its mask (flags: every bit from kFlagsShift up).
 enum Opcode : int {
   kCopy = 1, kReduce = 2, kSignal = 3, kWait = 4, kBarrier = 5, kDrainAll = 6, kPacketPut = 7, kPacketReduce = 8,
   kPacketCopy = 9
 };
 constexpr int kSubShift = 8, kNsrcShift = 16, kFlagsShift = 24;
+constexpr long long kOpcodeMask = 0xff, kSubMask = 0xff, kNsrcMask = 0xff;
+static_assert(kOpcodeMask < (1ll << kSubShift) && (kSubMask << kSubShift) < (1ll << kNsrcShift) &&
+                  (kNsrcMask << kNsrcShift) < (1ll << kFlagsShift),
+              "the fields of word 0 do not overlap");
 enum Kind : int { kNotify = 0, kAck = 1, kDrain = 2, kBarrierKind = 3, kPacketKind = 4 };
-// A buffer reference: buf << 62 | rank << 48 | byte offset (48 bits).
+// A buffer reference: buf << kRefBufShift | rank << kRefRankShift | byte offset (kRefOffsetBits bits).
 enum Buf : int { kInput = 0, kOutput = 1, kStage = 2, kWindow = 3 };
 constexpr int kRefBufShift = 62, kRefRankShift = 48, kRefRankBits = 14, kRefOffsetBits = 48;
+static_assert(kRefOffsetBits <= kRefRankShift && kRefRankShift + kRefRankBits <= kRefBufShift,
+              "the fields of a buffer reference do not overlap");
 constexpr long long kFlagInPlaceOnly = 1;
+// The kernel a table runs in (PurlinSnacParams.packets): the staged interpreter (snac/interpreter.cuh) or
+// the packet kernel (snac/packet.cuh). The host picks it per schedule from the algorithm that made it.
+enum KernelKind : int { kKernelStaged = 0, kKernelPacket = 1 };
 
 // A packet: 8 payload bytes and the call's epoch twice (snac/packet.cuh).
 constexpr int kPacketBytes = 16;
@@ -38,6 +50,8 @@ enum ErrorCode : int { kErrTimeout = 1, kErrBadRecord = 2, kErrMismatch = 3 };
 // A wait reads its peer's descriptor again each time it has spun past this (the fast path reads it once,
 // with its first poll).
 constexpr long long kDescAfterNs = 20000;
+// A descriptor word (native.h desc_off): (call number mod 2^32) << kDescSeqShift | a 32-bit payload.
+constexpr int kDescSeqShift = 32;
 
 }  // namespace purlin::snac
 

@@ -110,7 +110,8 @@ typedef struct PurlinSnacParams {
   long long tag;                       // the host's name for this schedule, echoed in the record
   long long epoch_off;                 // byte offset of my per-block packet-call counters (snac/packet.cuh)
   long long window_off, window_bytes;  // packet receive windows: [2 parities][world producers] x window_bytes
-  long long packets;                   // 1: the table holds only packet ops: run the packet kernel
+  long long packets;                   // the kernel kind (ABI 10: purlin/encoding.h KernelKind): kKernelStaged,
+                                       // or kKernelPacket (the table holds only packet ops); others are invalid
   long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
   // Call descriptors (ABI 8; -1 in desc_off: off). At kernel start block 0 stores this call's
   // descriptor into slot desc_seq % PURLIN_SNAC_DESC_RING of row `rank` of every peer's descriptor
