@@ -189,6 +189,7 @@ def _shipped_serving_config() -> dict:
     settings = plugin.settings_of(sa)
     moe = moe_settings_of(settings.load_config())
     return {"backend": settings.backend, "nccl_free": settings.nccl_free, "a2a": sa.moe_a2a_backend,
+            "purlin_a2a": settings.moe_a2a,
             "ep": sa.ep_size, "chunked": sa.chunked_prefill_size, "moe": (moe.dispatcher, moe.max_tokens_per_rank)}
 
 

@@ -72,7 +72,8 @@ def test_fused_moe_through_purlin_matches_one_rank(tmp_path, reference):
         assert len(f["prefill warning"]) == 1 and "shards of 250 tokens per rank, more than " \
             "moe.max_tokens_per_rank 128" in f["prefill warning"][0], f["prefill warning"]
     # the shipped serving config (configs/purlin-sglang-moe-nccl-free.yaml) as SGLang parses it
-    assert got[0]["serving config"] == {"backend": "purlin", "nccl_free": True, "a2a": "none", "ep": 2,
+    assert got[0]["serving config"] == {"backend": "purlin", "nccl_free": True, "a2a": "none", "purlin_a2a": True,
+                                        "ep": 2,
                                         "chunked": 2048, "moe": ("purlin", 1024)}, got[0]["serving config"]
     # every rank computed the same layer output after the refusal
     assert all(torch.equal(f["after refusal"], got[0]["after refusal"]) for f in got)
