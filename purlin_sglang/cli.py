@@ -236,6 +236,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .memory import providers
 
     b = native.build_info()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
     why = cuda_engine_status()
     info: dict[str, Any] = {
         "purlin_sglang": __version__,

@@ -91,8 +91,7 @@ def communicators() -> list[CommunicatorKind]:
         engine_why = cuda_engine_status() if eng.device_type == "cuda" else ""
         for mode, memories in (("virtual", eng.virtual_memories), ("group", eng.memories)):
             for mem in memories:
-                if eng.name != "cuda" or mem in _CUDA_READY[mode]:
-                    out.append(CommunicatorKind(eng.name, mode, mem, engine_why, provider_status(mem)))
+                out.append(CommunicatorKind(eng.name, mode, mem, engine_why, provider_status(mem)))
     return out
 
 
