@@ -88,7 +88,7 @@ def test_bad_values_are_rejected_naming_the_key(data, key):
     (lambda: PurlinConfig(timout_s=3), ["PurlinConfig: unknown key 'timout_s'", "did you mean 'timeout_s'?",
                                         "known keys: timeout_s, staging_bytes"]),
     (lambda: PurlinConfig(timeout_s="soon"), ["PurlinConfig: key 'timeout_s'", "valid number", "'soon'"]),
-    (lambda: PurlinConfig(memory="gpu"), ["key 'memory'", "'ipc'", "'host'", "(got 'gpu')"]),
+    (lambda: PurlinConfig(memory="gpu"), ["key 'memory'", "ipc", "host", "(got 'gpu')"]),
     (lambda: PurlinConfig(tuning={"algo": "oneshot"}), ["unknown key 'tuning.algo'", "did you mean 'algorithm'?"]),
     (lambda: PurlinConfig(moe={"dtype": "fp16"}), ["key 'moe.dtype'", "'bf16'", "'fp8'"]),
     (lambda: TuningPolicy(slot=3), ["TuningPolicy: unknown key 'slot'", "did you mean 'slots'?"]),
