@@ -294,10 +294,7 @@ def run(args: argparse.Namespace) -> int:
     from .environment import environment
     from .moe_report import format_table, plot
 
-    started = start(args, resolve)
-    if started is None:
-        return 2
-    args, out_dir = started
+    args, out_dir = start(args, resolve)
     device = torch.device(args.device)
     floor = None
     if device.type == "cuda":
