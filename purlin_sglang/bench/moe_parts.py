@@ -40,8 +40,7 @@ def _parts(comm, inp, experts: int, capacity: int, wire):
         return send_positions(r.to_rank), (quantize_fp8(inp.x) if wire is not None else None)
 
     d = comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity, dtype=wire)
-    eo = torch.empty(d.x.shape, dtype=torch.bfloat16, device=d.x.device).copy_(
-        d.x.to(torch.bfloat16) if d.x.dtype != torch.bfloat16 else d.x)
+    eo = d.x.to(torch.bfloat16, copy=True)  # the stand-in expert output: the rows as they came
     parts = {
         "dispatch": lambda i: comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity,
                                                 dtype=wire),
@@ -75,8 +74,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
             out[name] = graph_samples(comm, step, stream, side, barrier, opts)
         return out
 
-    rows = local = experts // world
-    rows = local * world * capacity
+    rows = experts * capacity  # expert rows per rank: E/W local experts x W sources x capacity
     reserve = int(rows * args.hidden * 2 * (2 * args.calls + 4) + (512 << 20))
     per_rank = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0,
                                                              "moe": {"max_tokens_per_rank": max(tokens, 1)}},
