@@ -195,16 +195,11 @@ def from_cli_args(original: Callable, cls: Any, args: argparse.Namespace) -> Any
     ``--moe-a2a-backend purlin`` is not a value SGLang knows: it is taken off the arguments (SGLang sees
     ``none``, whose dispatcher slot the create_moe_dispatcher hook fills) and recorded as the setting."""
     moe_a2a = getattr(args, "moe_a2a_backend", None) == "purlin"
-    backend = getattr(args, "comm_backend", "nccl")
     if moe_a2a:
-        if backend != "purlin":
-            raise PurlinPluginError(
-                f"{MOE_A2A_FLAG} purlin needs --comm-backend purlin (got {backend}): purlin's MoE dispatch and "
-                "combine run on the purlin communicator of the expert-parallel group")
         args.moe_a2a_backend = "none"
     result = original(cls, args)
-    set_comm_backend(result, backend, getattr(args, "purlin_config", None),
-                     bool(getattr(args, "purlin_nccl_free", False)), moe_a2a)
+    set_comm_backend(result, getattr(args, "comm_backend", "nccl"), getattr(args, "purlin_config", None),
+                     bool(getattr(args, "purlin_nccl_free", False)), moe_a2a)  # refuses purlin's a2a without purlin
     return result
 
 
