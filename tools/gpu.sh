@@ -253,7 +253,7 @@ step_setup() {
   LOG=$OUT_DIR/info.log
   run "$LOG" "$LOG" env "$(site new)" python3 -P -m purlin_sglang info || {
     RESULT="the build does not import (info.log)"; return 1; }
-  if ((!DRY)) && ! grep -q "^native library: *built, CUDA" "$LOG"; then
+  if ((!DRY)) && ! grep -q "^native library: *built with CUDA" "$LOG"; then
     RESULT="built without CUDA: $(grep '^native library' "$LOG" | tr -s ' ' | cut -c1-120) (build.log)"
     LOG=$OUT_DIR/build.log
     return 1
