@@ -135,6 +135,13 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     kernel = [c for c in cmds if "bench collectives" in c or "bench_staged_parts" in c]
     assert len(kernel) == 4 and "--modes graph --baselines none --collectives all_reduce --out" in kernel[0]
     assert kernel[1].split("python3 ")[1].startswith("benchmarks/bench_staged_parts.py --worlds 2,8 --json")
+    cmds, _ = dry(tmp_path, "--base", "HEAD", "ab", "moe", "--rounds", "2", "--tokens", "1,128")
+    moe = [c for c in cmds if "bench moe" in c]
+    assert [re.search(r"ab/moe-(\w+-\d)", c).group(1) for c in moe] == ["new-1", "base-1", "base-2", "new-2"]
+    assert all("bench moe --tokens 1,128 --out" in c for c in moe)
+    cmds, steps = dry(tmp_path, "script", "-m", "purlin_sglang.bench.moe_parts", "--tokens", "1")
+    assert steps[0].split()[:2] == ["script-moe_parts", "dry"]
+    assert "python3 -P -m purlin_sglang.bench.moe_parts --tokens 1" in cmds[-1]
     cmds, steps = dry(tmp_path, "--base", "HEAD", "ab", "engine", "--rounds", "1", "engine")  # a mode, then a step
     assert [s.split()[0] for s in steps] == ["ab", "engine"]
     assert sum("bench_cuda_engine.py" in c for c in cmds) == 3
@@ -250,9 +257,15 @@ def test_results_table_of_an_ab_folder_takes_the_median_and_marks_wrong_results(
         (tmp_path / f"collectives-{lab}-1" / "results.json").write_text(json.dumps({"rows": [
             {"impl": "purlin", "collective": "all_reduce", "mode": "graph", "world": 8, "bytes": 8192,
              "time_us_median": t, "correct": ok}]}))
+    for lab, t in (("new", 12.0), ("base", 30.0)):
+        (tmp_path / f"moe-{lab}-1").mkdir()
+        (tmp_path / f"moe-{lab}-1" / "moe.json").write_text(json.dumps({"rows": [
+            {"impl": "purlin", "op": "pair", "dtype": "bf16", "mode": "graph", "world": 8, "tokens": 1,
+             "time_us_median": t, "correct": True}]}))
     r = table(str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "| 8k-w8 | True | 5.00 | 2.00 | 0.400 |" in r.stdout.splitlines()
+    assert "| purlin | pair | bf16 | graph | 8 | 1 | 30.00 | 12.00 | 0.400 |" in r.stdout.splitlines()
     assert "| purlin | all_reduce | graph | 8 | 8192 | 8.00 | 7.00 (wrong) | 0.875 |" in r.stdout.splitlines()
     empty = tmp_path / "empty"
     empty.mkdir()

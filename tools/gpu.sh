@@ -45,7 +45,9 @@ is a step name, attach it to its option, e.g. -kmoe):
   tune [--install] [ARGS]
                          purlin-sglang tune --device cuda [ARGS] -> OUT/tune.json; --install: the
                          built tree's table for this GPU is replaced by it, for the steps after it
-  script FILE [ARGS]     a Python file of the repo against the build (e.g. benchmarks/NAME.py)
+  script FILE [ARGS]     a Python file of the repo against the build (e.g. benchmarks/NAME.py);
+  script -m MODULE [ARGS]
+                         a module of the build (e.g. -m purlin_sglang.bench.moe_parts)
   serve [OPTIONS]        SGLang servers of configs/models/ with the default backend and with purlin,
                          tokens checked against a reference -> OUT/serve/ (options below)
   ab MODE [--rounds N] [ARGS]
@@ -56,6 +58,7 @@ is a step name, attach it to its option, e.g. -kmoe):
                            eager        benchmarks/bench_eager_host.py (host time of an eager call)
                            engine       benchmarks/bench_cuda_engine.py
                            collectives  purlin-sglang bench collectives (each build's own)
+                           moe          purlin-sglang bench moe (each build's own)
                            parts        benchmarks/bench_staged_parts.py
                            kernel       collectives --world 8 --sizes 1K,8K,64K,512K --modes graph
                                         --baselines none, then parts --worlds 2,8
@@ -105,7 +108,7 @@ EOF
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || exit 2
 cd "$ROOT" || exit 2
 STEPS=(setup test demo collectives moe engine tune script serve ab pack-base)
-AB_MODES=(graph eager engine collectives parts kernel)
+AB_MODES=(graph eager engine collectives moe parts kernel)
 WHEELS=() OUT_DIR="" WORK=/tmp/purlin-gpu BASE="" BUDGET=0 KEEP_GOING=0 PACK=0 DRY=0
 T_START=$SECONDS
 
@@ -304,7 +307,8 @@ print("installed as", dst)' "$OUT_DIR/$TAG.json" || { RESULT="tuned, but not ins
   RESULT=$(last_line "$LOG")
 }
 
-# a Python file of the repo run as a script (its folder first on sys.path: benchmarks import siblings)
+# a Python file of the repo run as a script (its folder first on sys.path: benchmarks import siblings), or
+# "-m MODULE": a module of the build (python3 -P -m MODULE)
 py_step() {
   need_build || return 1
   run "$LOG" "$LOG" env "$(site new)" python3 "$@"
@@ -314,7 +318,7 @@ py_step() {
 }
 
 step_engine() { py_step benchmarks/bench_cuda_engine.py "$@" --json "$OUT_DIR/$TAG.json"; }
-step_script() { py_step "$@"; }
+step_script() { if [[ $1 == -m ]]; then py_step -P "$@"; else py_step "$@"; fi; }
 
 step_pack_base() {
   local dir=${WHEELS[0]}
@@ -379,6 +383,12 @@ ab_collectives() {
   shift 3
   run "$dir/collectives-$lab-$r.log" "$dir/collectives-$lab-$r.log" env "$(site "$lab")" python3 -P -m purlin_sglang \
     bench collectives "$@" --out "$dir/collectives-$lab-$r"
+}
+ab_moe() {
+  local dir=$1 lab=$2 r=$3
+  shift 3
+  run "$dir/moe-$lab-$r.log" "$dir/moe-$lab-$r.log" env "$(site "$lab")" python3 -P -m purlin_sglang \
+    bench moe "$@" --out "$dir/moe-$lab-$r"
 }
 ab_kernel() {
   ab_collectives "$1" "$2" "$3" --world 8 --sizes 1K,8K,64K,512K --modes graph --baselines none "${@:4}"
@@ -474,7 +484,8 @@ check_step() {  # check_step NAME ARGS...: what can be known before anything run
     pack-base)
       git_here || die_usage "pack-base: needs the git history of this repository, which is not here"
       resolve_ref || die_usage "pack-base: $WHY" ;;
-    script) [[ $1 == *.py && -f $1 ]] || die_usage "script: needs a Python file first (got '${1:-nothing}')" ;;
+    script) [[ ($1 == *.py && -f $1) || ($1 == -m && $2 == [A-Za-z_]*) ]] ||
+      die_usage "script: needs a Python file or -m MODULE first (got '${1:-nothing}')" ;;
     ab) parse_ab "$@" || die_usage "$WHY"; resolve_base || die_usage "ab: $WHY" ;;
     serve) parse_serve "$@" || die_usage "$WHY" ;;
   esac
@@ -501,7 +512,8 @@ main() {
     seen[$name]=$((${seen[$name]:-0} + 1))
     tag=$name
     ((seen[$name] > 1)) && tag+="-${seen[$name]}"
-    [[ $name == script ]] && tag+="-$(basename "${ARGV[FIRST[i]]}" .py)"
+    if [[ $name == script && ${ARGV[FIRST[i]]} == -m ]]; then tag+="-${ARGV[FIRST[i] + 1]##*.}"
+    elif [[ $name == script ]]; then tag+="-$(basename "${ARGV[FIRST[i]]}" .py)"; fi
     if ((failed && !KEEP_GOING)); then report "$tag" skip 0 "not run: a step before it failed"; continue; fi
     if (($(left) <= 0)); then
       report "$tag" skip 0 "not run: the budget (--budget $BUDGET) is spent"

@@ -5,10 +5,10 @@
 
 A folder (the ``ab`` step of tools/gpu.sh writes one) holds graph.jsonl and eager.jsonl (rows that
 name their build in ``label``) and one file per build and round: engine-LABEL-ROUND.json,
-parts-LABEL-ROUND.json, collectives-LABEL-ROUND/results.json. Under a prefix (docs/results) the
-records are PREFIX-graph-ab.jsonl, PREFIX-eager-ab.jsonl and PREFIX-KIND[-LABEL].json with KIND
-cuda-engine, staged-parts or bench-collectives (no LABEL: the build measured, "new"). A value is the
-median over rounds; "-" where a build has no record of the case; "(wrong)" where a result of it was
+parts-LABEL-ROUND.json, collectives-LABEL-ROUND/results.json, moe-LABEL-ROUND/moe.json. Under a
+prefix (docs/results) the records are PREFIX-graph-ab.jsonl, PREFIX-eager-ab.jsonl and
+PREFIX-KIND[-LABEL].json with KIND cuda-engine, staged-parts, bench-collectives or bench-moe (no
+LABEL: the build measured, "new"). A value is the median over rounds; "-" where a build has no record of the case; "(wrong)" where a result of it was
 wrong. Standard library only. Exit status 1 when no record is found.
 """
 
@@ -46,6 +46,8 @@ KINDS = (
          "parts-*-*.json", "-staged-parts.json"),
     Kind("collectives", "bench collectives: median us", ("impl", "collective", "mode", "world", "bytes"),
          "time_us_median", "collectives-*-*/results.json", "-bench-collectives.json"),
+    Kind("moe", "bench moe: median us", ("impl", "op", "dtype", "mode", "world", "tokens"),
+         "time_us_median", "moe-*-*/moe.json", "-bench-moe.json"),
 )
 ORDER = ("base", "new")  # these columns first, then any other label by name
 
@@ -74,7 +76,7 @@ def rows_in_folder(folder: Path, kind: Kind) -> list[dict]:
         return _jsonl(folder / kind.folder)
     rows = []
     for path in sorted(folder.glob(kind.folder)):
-        run = path.parent.name if path.name == "results.json" else path.stem  # NAME-LABEL-ROUND
+        run = path.parent.name if path.name in ("results.json", "moe.json") else path.stem  # NAME-LABEL-ROUND
         m = re.fullmatch(rf"{kind.name}-(.+)-(\d+)", run)
         if m:
             rows += _labelled(_json(path), m.group(1))
