@@ -61,6 +61,7 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinMoeParams, valid), PURLIN_FIELD(PurlinMoeParams, weights),
     PURLIN_FIELD(PurlinMoeParams, y), PURLIN_FIELD(PurlinMoeParams, dtype),
     PURLIN_FIELD(PurlinMoeParams, reject), PURLIN_FIELD(PurlinMoeParams, device),
+    PURLIN_FIELD(PurlinMoeParams, one_device),
     // ---- native.h: limits, the dtype and reduce-op tables ----
     PURLIN_CONST(PURLIN_SNAC_MAX_RANKS), PURLIN_CONST(PURLIN_SNAC_OP_WORDS), PURLIN_CONST(PURLIN_SNAC_EPOCH_WORDS),
     PURLIN_CONST(PURLIN_SNAC_ERROR_WORDS), PURLIN_CONST(PURLIN_SNAC_DESC_RING), PURLIN_CONST(PURLIN_SNAC_DESC_WORDS),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 10  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
+ABI_VERSION = 11  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
 
 # ---- native.h: limits, the dtype and reduce-op tables -------------------------------------------------------
 SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS
@@ -56,7 +56,7 @@ class MoeParams(ctypes.Structure):
         "recv_parity_bytes", "ret_off", "ret_parity_bytes", "state_off", "timeout_ns")] + [(n, _vp) for n in (
         "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
         "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
-        "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device")]
+        "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device", "one_device")]
 
 
 # ---- encoding.h: the SNAC op table -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // The MoE dispatch and combine kernels (plans: purlin_sglang/snac/moe.py). One launch per call
 // and rank; every block of a rank's grid runs every phase; the grids of all ranks on a GPU must be
 // co-resident (the host sizes them). All state is in device memory and carries an epoch, so a
-// captured CUDA graph replays correctly and nothing is zeroed between calls.
+// captured CUDA graph replays correctly and nothing is zeroed between calls. Signals between ranks are
+// at system scope, or at GPU scope when every rank's region lies on this GPU (p.one_device).
 //
 // My region's own words (State, at state_off): per kind (dispatch, combine) the epoch of the last
 // call, a monotonic arrival counter (a call adds `blocks`: the last block to arrive notifies) and
@@ -42,9 +43,6 @@
 namespace purlin::moe {
 
 using snac::globaltimer;
-using snac::ld_acquire_sys;
-using snac::ld_relaxed_sys;
-using snac::st_release_sys;
 using snac::st_volatile;
 
 struct MoeConfig {
@@ -84,15 +82,39 @@ __device__ inline void record(const PurlinMoeParams& p, long long code, long lon
   st_volatile(h, code);
 }
 
+// Signals between ranks (count words, done words, the arrival fences): at system scope, or at GPU scope
+// when every rank's region lies on this GPU (p.one_device: virtual ranks), where a system-scope fence
+// orders nothing more and costs more.
+__device__ __forceinline__ long long sig_relaxed(const PurlinMoeParams& p, const long long* w) {
+  return p.one_device ? snac::ld_relaxed_gpu(w) : snac::ld_relaxed_sys(w);
+}
+__device__ __forceinline__ long long sig_acquire(const PurlinMoeParams& p, const long long* w) {
+  return p.one_device ? snac::ld_acquire_gpu(w) : snac::ld_acquire_sys(w);
+}
+__device__ __forceinline__ void sig_release(const PurlinMoeParams& p, long long* w, long long v) {
+  if (p.one_device) {
+    snac::st_release_gpu(w, v);
+  } else {
+    snac::st_release_sys(w, v);
+  }
+}
+__device__ __forceinline__ void sig_fence(const PurlinMoeParams& p) {
+  if (p.one_device) {
+    __threadfence();
+  } else {
+    __threadfence_system();
+  }
+}
+
 // Wait until (*w without kRejectBit) >= target (relaxed polls, then one acquire); false on timeout or a
 // fatal error.
 __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, long long target, int kind,
                                long long peer) {
-  long long v = ld_relaxed_sys(w) & ~kRejectBit;
+  long long v = sig_relaxed(p, w) & ~kRejectBit;
   if (v < target) {
     const unsigned long long t0 = globaltimer();
     const volatile long long* fatal = state(p) + kFatal;
-    while ((v = ld_relaxed_sys(w) & ~kRejectBit) < target) {
+    while ((v = sig_relaxed(p, w) & ~kRejectBit) < target) {
       if (*fatal) return false;
       if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
         record(p, kTimeout, kind, peer, -1, 0, 0, target, v, true);
@@ -100,7 +122,7 @@ __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, lon
       }
     }
   }
-  (void)ld_acquire_sys(w);
+  (void)sig_acquire(p, w);
   return true;
 }
 
@@ -122,10 +144,10 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, long lon
 }
 
 // The last block of this call to arrive (counter adds one per block and call): true in every thread.
-__device__ inline bool arrive_last(long long* counter, long long epoch, int* s_flag) {
+__device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter, long long epoch, int* s_flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    sig_fence(p);
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
     *s_flag = old == static_cast<unsigned long long>(epoch) * gridDim.x - 1;
     if (*s_flag) __threadfence();
@@ -485,7 +507,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   route_counts(p, s, t0, E);
   put_rows(p, s, par, t0, t1, E);
   // notify: my count word to every rank, every call
-  if (arrive_last(st + kDispArrive, e, &s.flag)) {
+  if (arrive_last(p, st + kDispArrive, e, &s.flag)) {
     for (long long i = tid; i < W * (L + 2); i += blockDim.x) {
       const long long d = i / (L + 2), c = i % (L + 2);
       long long* cw = count_word(p, d, par, p.rank);
@@ -495,8 +517,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     }
     __syncthreads();
     if (tid < W) {
-      __threadfence_system();
-      st_release_sys(count_word(p, tid, par, p.rank), e);
+      sig_fence(p);
+      sig_release(p, count_word(p, tid, par, p.rank), e);
     }
   }
   __syncthreads();  // cnt is read above before it is overwritten below
@@ -661,16 +683,16 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   }
   if (tid == 0) s_rej = 0;
   if (!p.reject) put_back(p, par, s_rows, s_wcnt);  // a rank that rejected its arguments puts nothing back
-  if (arrive_last(st + kCombArrive, e, &s_flag) && tid < W) {
-    __threadfence_system();
-    st_release_sys(reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
-                   p.reject ? (e | kRejectBit) : e);
+  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {
+    sig_fence(p);
+    sig_release(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
+                p.reject ? (e | kRejectBit) : e);
   }
   if (tid < W) {
     const long long* done = reinterpret_cast<const long long*>(own(p) + p.done_off + tid * 8);
     if (!wait_ge(p, done, e, 1, tid)) {
       s_fail = 1;
-    } else if ((ld_relaxed_sys(done) & kRejectBit) && tid != p.rank) {  // this epoch's bit: peers cannot
+    } else if ((sig_relaxed(p, done) & kRejectBit) && tid != p.rank) {  // this epoch's bit: peers cannot
       if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);  // move on before it ends
       s_rej = 1;
     }

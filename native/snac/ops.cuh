@@ -81,6 +81,20 @@ __device__ __forceinline__ long long ld_acquire_sys(const long long* p) {
 __device__ __forceinline__ void st_release_sys(long long* p, long long v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
+// The same at GPU scope: for signals between ranks whose memory all lies on this GPU.
+__device__ __forceinline__ long long ld_relaxed_gpu(const long long* p) {
+  long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ long long ld_acquire_gpu(const long long* p) {
+  long long v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(long long* p, long long v) {
+  asm volatile("st.release.gpu.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void st_volatile(long long* p, long long v) {
   asm volatile("st.volatile.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }

@@ -106,6 +106,7 @@ class CudaMoE:
             raise PurlinUnavailableError(f"moe_dispatch: {self.world} virtual ranks cannot all be resident on "
                                          f"{sms} SMs ({per_sm} MoE block(s) per SM)")
         self.blocks = min(MAX_BLOCKS, slots)
+        self.one_device = virtual  # every rank's region on this GPU: the kernels signal at GPU scope
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
@@ -165,6 +166,7 @@ class CudaMoE:
         p.timeout_ns = int(self.comm.config.timeout_s * 1e9)
         p.host_error = self._host_error.data_ptr()
         p.device = self.device_index  # made current by the library before the launch
+        p.one_device = int(self.one_device)
         return p
 
     def _launch(self, fn, p, op: str) -> None:

@@ -54,7 +54,7 @@ def _moe(comm, lib):
     """A CudaMoE as its __init__ makes it, with CPU stand-ins for the pinned buffers."""
     m = CudaMoE.__new__(CudaMoE)
     m.comm, m.lib, m.device, m.world, m.rank = comm, lib, comm.device, comm.world_size, comm.rank
-    m.max_tokens, m.blocks = comm.config.moe.max_tokens_per_rank, 16
+    m.max_tokens, m.blocks, m.one_device = comm.config.moe.max_tokens_per_rank, 16, True
     m.layout = m.region = m._own_region = None
     m._host_error = torch.zeros(16, dtype=torch.int64)
     m._err = m._host_error.numpy()

@@ -189,6 +189,8 @@ typedef struct PurlinMoeParams {
   long long reject;                    // combine: 1 = this rank rejected its arguments: put nothing back, tell
                                        // every rank (its done word carries kRejectBit), reduce nothing
   long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
+  long long one_device;                // 1: every rank's region lies on this GPU (virtual ranks): count and
+                                       // done words signal at GPU scope; 0: at system scope (ABI 11)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
