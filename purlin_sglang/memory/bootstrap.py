@@ -2,8 +2,9 @@
 
 :func:`group_workspace` gives this rank its workspace for the engine's memory provider:
 
-* ``host`` (the CPU engine): rank 0 creates one ``/dev/shm`` file, every other rank maps it; the
-  file is unlinked as soon as every rank has mapped it (or failed), so nothing can leak.
+* ``host`` (the CPU engine): rank 0 creates one ``/dev/shm`` file, every other rank maps it. Every
+  rank learns the file's name before the file exists and unlinks it as it leaves, mapped or failed,
+  so whichever rank dies wherever, the file is gone once the surviving ranks have returned or raised.
 * a GPU provider (``ipc``, ``torch``, ``nvshmem``): the ranks first agree on what shapes the
   workspace (``staging_bytes`` and the provider; a mismatch is a PurlinConfigError on every rank),
   then the provider allocates this rank's memory and maps its peers'.
@@ -20,14 +21,14 @@ from typing import Any, Callable
 
 from ..errors import PurlinConfigError, PurlinUnavailableError
 from . import providers, setup_phase
-from .host import HostWorkspace, unlink_shared
+from .host import SHM_DIR, HostWorkspace, shared_path, unlink_shared
 from .layout import DeviceLayout, WorkspaceLayout
 
 OP = "Communicator"  # the name set-up errors start with
 
 
 def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,
-                    shm_dir: str = "/dev/shm", device_index: int = 0) -> Any:
+                    shm_dir: str = SHM_DIR, device_index: int = 0) -> Any:
     """This rank's workspace on provider ``memory`` (``host`` or a GPU provider's name: memory/providers.py)."""
     if memory == providers.HOST:
         return host_workspace(group, rank, world, staging_bytes, shm_dir)
@@ -35,38 +36,46 @@ def group_workspace(memory: str, group: Any, rank: int, world: int, staging_byte
 
 
 def host_workspace(group: Any, rank: int, world: int, staging_bytes: int, shm_dir: str) -> HostWorkspace:
-    """Rank 0 creates a shared workspace file in ``shm_dir``, every other rank maps it."""
+    """Rank 0 creates a shared workspace file in ``shm_dir``, every other rank maps it.
+
+    No file outlives the call on a surviving rank. Rank 0 names the file to every rank before it
+    creates it, and every rank that knows the name unlinks it as it leaves, mapped or failed
+    (unlinking is idempotent): after success, once every rank has mapped it; after a failure, a
+    survivor that raises removes a dead creator's file. A rank that raises has released its mapping.
+    """
     layout = WorkspaceLayout(world, staging_bytes)
     path, ws, problem = None, None, None
     try:
+        # Phase 1: every rank learns the file's name, before the file exists, and rank 0's staging size.
+        seen = setup_phase.gather_status(group, world, ("ok", (shared_path(shm_dir) if rank == 0 else None,
+                                                               staging_bytes)), OP)
+        path, staging_seen = seen[0][1]
         if rank == 0:
             try:
-                ws, path = HostWorkspace.create_shared(layout, shm_dir)
+                ws = HostWorkspace.create_shared(layout, path)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 problem = ("error", "unavailable", setup_phase.as_status(e)[2])
-        # Phase 1: every rank learns rank 0's file and staging size (never fails by itself).
-        seen = setup_phase.gather_status(group, world, ("ok", (path, staging_bytes)), OP)
-        path_seen, staging_seen = seen[0][1]
+        elif staging_seen != staging_bytes:
+            problem = ("error", "config", f"rank 0 uses staging_bytes={staging_seen}, rank {rank} uses "
+                                          f"{staging_bytes}; every rank needs the same config")
+        # Phase 2: the file exists, or every rank learns why not.
+        setup_phase.raise_failures(OP, setup_phase.gather_status(group, world, problem or ("ok", None), OP),
+                                   per_rank=True)
         if rank != 0:
-            if staging_seen != staging_bytes:
-                problem = ("error", "config", f"rank 0 uses staging_bytes={staging_seen}, rank {rank} uses "
-                                              f"{staging_bytes}; every rank needs the same config")
-            elif path_seen is not None:
-                try:
-                    ws = HostWorkspace.open_shared(layout, path_seen)
-                except Exception as e:  # noqa: BLE001 - reported to every rank below
-                    problem = ("error", "unavailable", setup_phase.as_status(e)[2])
-        # Phase 2: every rank has mapped the file, or every rank learns who could not.
-        statuses = setup_phase.gather_status(group, world, problem or ("ok", None), OP)
-    finally:
-        if path is not None:
-            unlink_shared(path)  # every rank has mapped it (or failed): nothing can leak
-    try:
-        setup_phase.raise_failures(OP, statuses, per_rank=True)
-    except Exception:
+            try:
+                ws = HostWorkspace.open_shared(layout, path)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                problem = ("error", "unavailable", setup_phase.as_status(e)[2])
+        # Phase 3: every rank has mapped the file, or every rank learns who could not.
+        setup_phase.raise_failures(OP, setup_phase.gather_status(group, world, problem or ("ok", None), OP),
+                                   per_rank=True)
+    except BaseException:
         if ws is not None:
             ws.close()
         raise
+    finally:
+        if path is not None:
+            unlink_shared(path)  # every rank has mapped it, or this rank gives up: nothing can leak
     return ws
 
 
@@ -94,7 +103,9 @@ def report_started(group: Any, world: int, engine: str, start: Callable[[], None
     """Run ``start()`` (this rank's local engine set-up), then tell every rank whether every rank managed.
 
     If any rank failed, ``cleanup()`` runs on every rank, then this rank's own error is re-raised
-    (a rank that did start raises a PurlinUnavailableError naming the ranks that did not).
+    (a rank that did start raises a PurlinUnavailableError naming the ranks that did not). If the
+    exchange itself fails (a rank died or never came), ``cleanup()`` runs and this rank's own error,
+    else the exchange's, is raised.
     """
     error = None
     try:
@@ -102,7 +113,13 @@ def report_started(group: Any, world: int, engine: str, start: Callable[[], None
         mine = ("ok", None)
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
         error, mine = e, ("error", "unavailable", f"{type(e).__name__}: {e}")
-    statuses = setup_phase.gather_status(group, world, mine, OP)
+    try:
+        statuses = setup_phase.gather_status(group, world, mine, OP)
+    except BaseException as exchange:
+        cleanup()
+        if error is not None:
+            raise error from exchange
+        raise
     failed = [(r, s[2]) for r, s in enumerate(statuses) if s[0] != "ok"]
     if failed:
         cleanup()

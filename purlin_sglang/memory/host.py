@@ -6,8 +6,9 @@ under /dev/shm mapped by every rank and unlinked as soon as all have mapped it).
 
 The shared file is allocated for real (``posix_fallocate``) after a free-space check, so a
 small /dev/shm (a container's 64 MiB default) is a clear error at construction instead of a
-SIGBUS at the first large call. A file whose creator died before every peer mapped it is
-removed by the next construction on the host (:func:`remove_stale`).
+SIGBUS at the first large call. Its name (:func:`shared_path`) is told to every rank before the
+file exists, so any surviving rank can unlink it (memory/bootstrap.py); a file left only when no
+rank survived to do so is removed by the next construction on the host (:func:`remove_stale`).
 
 Ordering: signal words are 8-byte aligned int64 stores by one writer; staging
 data is written before the signal that publishes it. This relies on the host's
@@ -61,13 +62,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def shared_path(directory: str) -> str:
+    """A fresh path for a workspace file in ``directory``, ``purlin-<this pid>-<random>``: unique per
+    communicator, and the pid tells :func:`remove_stale` whether its creator is alive. Creates nothing."""
+    return os.path.join(directory, f"purlin-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
 def remove_stale(directory: str) -> list[str]:
     """Remove workspace files in ``directory`` whose creating process no longer exists.
 
-    A file lives only between its creation and the moment every rank has mapped it; one left
-    behind means its creator died in between (killed during ``Communicator(...)``). Only this
-    user's files named by this module are touched, and only when their creator's pid is not alive
-    (in this pid namespace). Returns the removed names."""
+    A file lives only between its creation and the moment every rank has mapped it, and any rank
+    that survives a failure in between unlinks it; one left behind means no rank of its group
+    survived to do so (every rank killed during ``Communicator(...)``, or the creator killed after
+    its peers had given up on it). Only this user's files named by this module are touched, and
+    only when their creator's pid is not alive (in this pid namespace). Returns the removed names."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -127,9 +135,10 @@ class HostWorkspace:
         return ws
 
     @classmethod
-    def create_shared(cls, layout: WorkspaceLayout, directory: str = SHM_DIR) -> tuple["HostWorkspace", str]:
-        """Create, allocate and map the shared file (rank 0). Every failure is a PurlinUnavailableError
-        and leaves no file behind."""
+    def create_shared(cls, layout: WorkspaceLayout, path: str) -> "HostWorkspace":
+        """Create, allocate and map the shared file at ``path`` (rank 0; :func:`shared_path`). Every
+        failure is a PurlinUnavailableError and leaves no file behind."""
+        directory = os.path.dirname(path) or "."
         if not os.path.isdir(directory):
             raise PurlinUnavailableError(f"memory='host' across processes needs {directory}, which is missing")
         remove_stale(directory)
@@ -137,7 +146,6 @@ class HostWorkspace:
         free = shm_free_bytes(directory)
         if free < need:
             raise shm_space_error(need, free, directory)
-        path = os.path.join(directory, f"purlin-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -162,7 +170,7 @@ class HostWorkspace:
             os.close(fd)
         ws = cls(layout, mm, mapping=mm)
         ws.init_header()
-        return ws, path
+        return ws
 
     @classmethod
     def open_shared(cls, layout: WorkspaceLayout, path: str) -> "HostWorkspace":
@@ -211,6 +219,7 @@ def _allocate(fd: int, nbytes: int) -> None:
 
 
 def unlink_shared(path: str) -> None:
+    """Unlink a workspace file; idempotent (every rank of a group may unlink the same path)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
