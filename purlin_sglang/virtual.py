@@ -42,7 +42,7 @@ class VirtualWorld:
         self.world, self.config = world, config
         self.gate = None
         if device.type == "cuda":
-            from .engines.cuda_moe import SharedRegions
+            from .moe.cuda import SharedRegions
             from .memory.loopback import LoopbackWorld
 
             # eager calls return once every rank launched; one rank has no peer to wait for (no gate)

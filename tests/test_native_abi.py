@@ -18,10 +18,10 @@ import torch
 from purlin_sglang import abi, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
-from purlin_sglang.engines.cuda_moe import CudaMoE
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory.layout import DeviceLayout
-from purlin_sglang.memory.moe_layout import MoELayout
+from purlin_sglang.moe.cuda import CudaMoE
+from purlin_sglang.moe.region import MoELayout
 
 CUDA_ERROR_INVALID_VALUE = 1
 built = native.build_info()

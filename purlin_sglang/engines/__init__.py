@@ -33,8 +33,8 @@ ENGINES: tuple[EngineInfo, ...] = tuple(
     EngineInfo(name, name, priority, providers.for_engine(name, virtual=False),
                providers.for_engine(name, virtual=True), engine, moe)
     for name, priority, engine, moe in (
-        ("cpu", 0, "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.engines.cpu:CpuMoE"),
-        ("cuda", 10, "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.engines.cuda_moe:CudaMoE"),
+        ("cpu", 0, "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.moe.cpu:CpuMoE"),
+        ("cuda", 10, "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.moe.cuda:CudaMoE"),
     )
 )
 _BY_NAME = {e.name: e for e in ENGINES}

@@ -1,4 +1,4 @@
-"""The CUDA engine's MoE glue (engines/cuda_moe.py) on CPU, over a Python model of the kernels
+"""The CUDA engine's MoE glue (purlin_sglang/moe/cuda.py) on CPU, over a Python model of the kernels
 (_kernel_model.py) that reads the same parameter struct: eager exact and capacity layouts, FP8,
 graph-mode calls (the capturing path) repeated on one region with new routings (epochs, parities),
 back-to-back dispatches, a capacity overflow and out-of-range ids recorded "on the device" and
@@ -14,8 +14,8 @@ import torch
 import purlin_sglang as ps
 from _kernel_model import FakeMoELib
 from _moe_cases import FP8, check_results, expert_fn, make_case
-from purlin_sglang.engines import cuda_moe
-from purlin_sglang.engines.cuda_moe import CudaMoE, SharedRegions
+from purlin_sglang.moe import cuda as cuda_moe
+from purlin_sglang.moe.cuda import CudaMoE, SharedRegions
 from purlin_sglang.moe.validate import check_dispatch
 
 H = 16

@@ -1,4 +1,4 @@
-"""The CPU engine's MoE: the steps of a MoE plan (snac/moe.py) over the CPU engine's collectives.
+"""The CPU engine's MoE: the steps of a MoE plan (moe/plan.py) over the CPU engine's collectives.
 
 CountExchange is an all-gather of every rank's header and counts (so every rank sees the whole
 count matrix and all of them raise the same error for a bad call: the communicator stays
@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import PurlinCapacityError, PurlinValueError
-from ..moe.dispatch import MoEDispatch
-from ..moe.routing import quantize_fp8, route
 from ..native import DTYPE_CODES, reduce_dtype_code
-from ..snac.moe import MoEPlan
+from .dispatch import MoEDispatch
+from .namings import MOE_COMBINE, MOE_DISPATCH
+from .plan import MoEPlan, make_moe_plan
+from .routing import quantize_fp8, route
 
 _HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
@@ -179,3 +180,48 @@ def combine(comm, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:
         if bool(m.any()):
             acc[m] = acc[m] + d.weights[m, k, None] * ret[m, k].to(torch.float32)
     return acc.to(expert_out.dtype)
+
+
+class CpuMoE:
+    """The CPU engine's MoE dispatch / combine for one Communicator (a ``MoEEngine``): collectives over
+    the communicator itself, planned by :mod:`.plan` (the functions above)."""
+
+    hbm_bytes = 0
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._plans: dict[tuple, object] = {}
+
+    def _plan(self, kind: str, num_experts: int, capacity: int | None, quant: str):
+        key = (kind, num_experts, capacity, quant)
+        plan = self._plans.get(key)
+        if plan is None:
+            spec = MOE_DISPATCH if kind == "dispatch" else MOE_COMBINE
+            plan = self._plans[key] = make_moe_plan(spec, self.comm.world_size, self.comm.rank, num_experts,
+                                                    capacity=capacity, quant=quant)
+        return plan
+
+    def reject(self, error) -> None:
+        """This rank's arguments are bad: tell the peers (they wait in the header exchange) and raise."""
+        reject(self.comm, "moe_dispatch", error)
+
+    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
+        plan = self._plan("dispatch", num_experts, capacity, quant)
+        return dispatch(self.comm, plan, x, ids, weights, id(self.comm))
+
+    def reject_combine(self, error) -> None:
+        combine_status(self.comm, error)
+
+    def combine(self, expert_out, d):
+        combine_status(self.comm)
+        return combine(self.comm, expert_out, d)
+
+    def check(self, fatal_only: bool = False) -> None:
+        """Nothing is recorded for later: CPU MoE calls raise their own errors."""
+
+    def synchronize(self) -> None:
+        """A no-op: CPU MoE calls have finished when they return."""
+
+    def close(self) -> None:
+        self._plans.clear()
+        self.comm = None

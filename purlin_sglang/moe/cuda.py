@@ -17,7 +17,7 @@ Modes:
   all-gathered first with the CUDA engine's all_gather and read on the host (a sync), which sizes
   the rows exactly (capacity = the largest count) and catches a hidden-size mismatch on every rank.
 
-The MoE region (memory/moe_layout.py) is made on the first call: collective, blocks the host,
+The MoE region (moe/region.py) is made on the first call: collective, blocks the host,
 not capturable (warm up before capturing). Its geometry comes from that call; a later call with
 larger rows or top-k raises PurlinValueError.
 """
@@ -34,11 +34,11 @@ from ..errors import (
     PurlinBrokenError, PurlinCapacityError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError,
     PurlinUnavailableError, PurlinValueError,
 )
-from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
-from ..moe.dispatch import MoEDispatch
-from ..moe.routing import expert_counts
-from ..moe.validate import check_id_range
-from .cpu_moe import dtype_code, exchange_header, overflow, reject
+from .cpu import dtype_code, exchange_header, overflow, reject
+from .dispatch import MoEDispatch
+from .region import MAX_EXPERTS, MoELayout, header_bytes
+from .routing import expert_counts
+from .validate import check_id_range
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
