@@ -42,7 +42,7 @@ class VirtualWorld:
         self.world, self.config = world, config
         self.gate = None
         if device.type == "cuda":
-            from .moe.cuda import SharedRegions
+            from .moe.region import SharedRegions
             from .memory.loopback import LoopbackWorld
 
             # eager calls return once every rank launched; one rank has no peer to wait for (no gate)
@@ -53,6 +53,7 @@ class VirtualWorld:
             self.moe_regions = SharedRegions()  # the MoE region, made by the first MoE call
         else:
             self.device = torch.device("cpu")
+            self.moe_regions = None  # the CPU engine's MoE has no region
             self.workspace = HostWorkspace.private(
                 WorkspaceLayout(world, region_bytes(config.staging_bytes, config.symmetric_bytes)))
 

@@ -240,7 +240,7 @@ def test_cuda_moe_passes_its_device():
     lib = _RecordingLib()
     m = CudaMoE.__new__(CudaMoE)
     m.lib, m.device, m.world, m.rank, m.blocks = lib, torch.device("cuda", 5), 2, 0, 4
-    m.comm = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
+    m.ctx = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
     m.region = types.SimpleNamespace(base_ptrs=[4096, 8192])
     m._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64)
     p = m._params(MoELayout(2, 8, 2, 64, 64))
