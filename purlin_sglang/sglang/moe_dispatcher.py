@@ -121,8 +121,8 @@ def _warn_if_prefill_exceeds(settings: MoESettings, ep_size: int) -> None:
         return
     shard = largest_shard(largest, ep_size) if largest else 0
     excess = token_excess(settings, shard)
-    if excess and (largest, settings.max_tokens_per_rank) not in _warned:
-        _warned.add((largest, settings.max_tokens_per_rank))
+    if excess and (largest, excess) not in _warned:
+        _warned.add((largest, excess))
         logger.warning("purlin_sglang: prefill batches of up to %d tokens give shards of %d tokens per rank, %s: "
                        "such a batch raises at its MoE dispatch; raise moe.max_tokens_per_rank to %d or lower "
                        "--chunked-prefill-size", largest, shard, excess, shard)
