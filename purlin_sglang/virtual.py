@@ -42,8 +42,8 @@ class VirtualWorld:
         self.world, self.config = world, config
         self.gate = None
         if device.type == "cuda":
-            from .moe.region import SharedRegions
             from .memory.loopback import LoopbackWorld
+            from .moe.region import SharedRegions
 
             # eager calls return once every rank launched; one rank has no peer to wait for (no gate)
             self.gate = LaunchGate(world, config.timeouts.call_s) if world > 1 else None

@@ -172,4 +172,3 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Drop this engine's references to the workspace and its tables. Local; safe twice."""
-

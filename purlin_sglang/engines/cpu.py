@@ -225,4 +225,3 @@ class CpuEngine:
 
     def close(self) -> None:
         self.ws = None
-

@@ -369,4 +369,3 @@ class CudaMoE:
 
 def capturing_now() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-

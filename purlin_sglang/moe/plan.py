@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..collectives import CollectiveSpec
-from .namings import MOE_COMBINE, MOE_DISPATCH
 from ..errors import PurlinValueError
+from .namings import MOE_COMBINE, MOE_DISPATCH
 
 
 @dataclass(frozen=True)
