@@ -93,7 +93,7 @@ SNAC_ERROR_CODES = {"TIMEOUT": 1, "BAD_RECORD": 2, "MISMATCH": 3}
 
 # ---- MoE: native.h, encoding.h (purlin::moe) and the MoE region's layout ----------------------------------
 MOE_MAX_EXPERTS = 4096  # native.h PURLIN_MOE_MAX_EXPERTS
-MOE_STATE_BYTES = 128  # the MoE region's state area (memory/moe_layout.py): holds encoding.h's kStateWords words
+MOE_STATE_BYTES = 128  # the MoE region's state area (moe/region.py): holds encoding.h's kStateWords words
 # The MoE kernels' record (PURLIN_MOE_ERROR_WORDS words; word 0 one of these codes).
 MOE_ERROR_WORDS = 16
 MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4, "REJECTED": 5}

@@ -29,7 +29,8 @@ from .errors import PurlinError, PurlinPlanError, PurlinValueError
 from .memory import bootstrap, setup_phase
 from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
-from .moe.validate import check_combine, checked_dispatch
+from .moe.engine import MoEContext
+from .moe.validate import checked_combine, checked_dispatch
 from .virtual import VirtualWorld, run_world
 
 
@@ -100,7 +101,10 @@ class Communicator:
         self._closed = False
         # Made now (CUDA: a pinned allocation, an occupancy query), not inside a call: in loopback, host
         # allocations while peers' kernels spin could stall. The MoE region itself comes later.
-        self._moe = engines.create_moe(engine, self)
+        self._moe = engines.create_moe(engine, MoEContext(
+            rank=rank, world=world, device=self.device, config=self.config, owner=id(self), all_gather=self.all_gather,
+            all_to_all_v=self.all_to_all_v, mark_broken=self._engine.mark_broken, ranks_on_gpu=ranks_on_gpu,
+            memory=self.memory, group=group, shared_regions=self._vworld.moe_regions if self._vworld else None))
 
     # -- properties --------------------------------------------------------------------------
     @property
@@ -252,12 +256,7 @@ class Communicator:
         at their next MoE call's end or ``synchronize()``. The communicator stays usable.
         """
         self._check_usable("moe_combine")
-        try:
-            check_combine(expert_out, d, self.device, id(self))
-        except PurlinValueError as e:
-            self._moe.reject_combine(e)  # the peers' combines end without a timeout; raises e
-            raise
-        return self._moe.combine(expert_out, d)
+        return checked_combine(self._moe, expert_out, d, self.device, id(self))
 
     # -- the call path (calls.py: checks, the algorithm, plans and caches) ---------------------
     def _run(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any) -> torch.Tensor:

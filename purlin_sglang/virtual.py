@@ -42,8 +42,8 @@ class VirtualWorld:
         self.world, self.config = world, config
         self.gate = None
         if device.type == "cuda":
-            from .engines.cuda_moe import SharedRegions
             from .memory.loopback import LoopbackWorld
+            from .moe.region import SharedRegions
 
             # eager calls return once every rank launched; one rank has no peer to wait for (no gate)
             self.gate = LaunchGate(world, config.timeouts.call_s) if world > 1 else None
@@ -53,6 +53,7 @@ class VirtualWorld:
             self.moe_regions = SharedRegions()  # the MoE region, made by the first MoE call
         else:
             self.device = torch.device("cpu")
+            self.moe_regions = None  # the CPU engine's MoE has no region
             self.workspace = HostWorkspace.private(
                 WorkspaceLayout(world, region_bytes(config.staging_bytes, config.symmetric_bytes)))
 

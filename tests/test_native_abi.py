@@ -18,10 +18,10 @@ import torch
 from purlin_sglang import abi, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
-from purlin_sglang.engines.cuda_moe import CudaMoE
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory.layout import DeviceLayout
-from purlin_sglang.memory.moe_layout import MoELayout
+from purlin_sglang.moe.cuda import CudaMoE
+from purlin_sglang.moe.region import MoELayout
 
 CUDA_ERROR_INVALID_VALUE = 1
 built = native.build_info()
@@ -240,7 +240,7 @@ def test_cuda_moe_passes_its_device():
     lib = _RecordingLib()
     m = CudaMoE.__new__(CudaMoE)
     m.lib, m.device, m.world, m.rank, m.blocks = lib, torch.device("cuda", 5), 2, 0, 4
-    m.comm = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
+    m.ctx = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
     m.region = types.SimpleNamespace(base_ptrs=[4096, 8192])
     m._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64)
     for one_device in (True, False):  # virtual ranks: every region on this GPU, signals at GPU scope

@@ -28,12 +28,11 @@ from .layout import (
     ReduceOp,
     parse_op,
 )
-from .moe import MOE_COMBINE, MOE_DISPATCH
 from .spec import CollectiveSpec
 
 __all__ = [
     "ALL_GATHER", "ALL_GATHER_V", "ALL_REDUCE", "ALL_TO_ALL", "ALL_TO_ALL_V", "BROADCAST",
     "CATALOG", "REDUCE_SCATTER", "REDUCE_SCATTER_V", "COPY", "PACKED", "PACKED_V", "REDUCE",
     "SCATTERED", "SCATTERED_V", "TRANSPOSED", "TRANSPOSED_V", "Consume", "Layout", "LayoutKind",
-    "ReduceOp", "parse_op", "CollectiveSpec", "ROUTED", "WEIGHTED_REDUCE", "MOE_DISPATCH", "MOE_COMBINE",
+    "ReduceOp", "parse_op", "CollectiveSpec", "ROUTED", "WEIGHTED_REDUCE",
 ]

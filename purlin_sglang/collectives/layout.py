@@ -13,7 +13,7 @@ the group:
 * ``routed`` (always variable): MoE tokens, each addressed to the ranks that own one
   of its top-k experts; a token travels once per destination RANK (not once per
   expert), and the slices exist only once the routing (device-side counts) is known.
-  See :mod:`purlin_sglang.collectives.moe`.
+  See :mod:`purlin_sglang.moe.namings`.
 
 A layout may be *rooted*: only the root rank's buffer takes part (the root is a
 call argument). A rooted input means only the root produces; a rooted output

@@ -1,7 +1,9 @@
 """Engines: the datapaths that execute SNAC schedules. A registry, chosen by device.
 
-Every engine implements :class:`~.base.Engine` (its MoE part :class:`~.base.MoEEngine`) and is
-built by name with :func:`create` (:func:`create_moe`); the classes are imported on first use.
+Every engine implements :class:`~.base.Engine` and is built by name with :func:`create`; its MoE
+part, which lives in the MoE wing (:mod:`purlin_sglang.moe`), implements
+:class:`~purlin_sglang.moe.engine.MoEEngine` and is built with :func:`create_moe`. The classes are
+imported on first use.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class EngineInfo:
     memories: tuple[str, ...]  # providers it runs on for process groups; the first is what "auto" picks
     virtual_memories: tuple[str, ...] = ()  # providers for run_virtual (ranks in one process)
     engine: str = ""  # "module:class" of the collectives engine (an Engine)
-    moe: str = ""  # "module:class" of the MoE engine (a MoEEngine), built with the Communicator
+    moe: str = ""  # "module:class" of the engine's MoE part (a moe.engine.MoEEngine), built with a MoEContext
 
 
 # Each engine's providers come from memory/providers.py: for process groups, and for virtual ranks.
@@ -33,8 +35,8 @@ ENGINES: tuple[EngineInfo, ...] = tuple(
     EngineInfo(name, name, priority, providers.for_engine(name, virtual=False),
                providers.for_engine(name, virtual=True), engine, moe)
     for name, priority, engine, moe in (
-        ("cpu", 0, "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.engines.cpu:CpuMoE"),
-        ("cuda", 10, "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.engines.cuda_moe:CudaMoE"),
+        ("cpu", 0, "purlin_sglang.engines.cpu:CpuEngine", "purlin_sglang.moe.cpu:CpuMoE"),
+        ("cuda", 10, "purlin_sglang.engines.cuda:CudaEngine", "purlin_sglang.moe.cuda:CudaMoE"),
     )
 )
 _BY_NAME = {e.name: e for e in ENGINES}
@@ -154,13 +156,14 @@ def create(name: str, ws: Any, rank: int, world: int, timeout_s: float, *, ranks
     return _resolve(_info(name).engine)(ws, rank, world, timeout_s, ranks_on_gpu=ranks_on_gpu, call_check=call_check)
 
 
-def create_moe(name: str, comm: Any) -> Any:
-    """Build the MoE engine (a :class:`~.base.MoEEngine`) of engine ``name`` for Communicator ``comm``."""
-    return _resolve(_info(name).moe)(comm)
+def create_moe(name: str, ctx: Any) -> Any:
+    """Build the MoE part (a :class:`~purlin_sglang.moe.engine.MoEEngine`) of engine ``name`` with the
+    :class:`~purlin_sglang.moe.engine.MoEContext` ``ctx`` its Communicator built. Local."""
+    return _resolve(_info(name).moe)(ctx)
 
 
 def check_usable(name: str, engine: Any, moe: Any) -> None:
-    """Raise the error an earlier call of ``engine`` (or of its MoE engine ``moe``) recorded (no device
+    """Raise the error an earlier call of ``engine`` (or of its MoE part ``moe``) recorded (no device
     sync), or PurlinBrokenError when the engine is broken: the checks before every call."""
     engine.check()
     if moe is not None:

@@ -3,7 +3,8 @@
 An engine executes one rank's lowered SNAC schedules over a workspace (host memory for the CPU
 engine, a device workspace for the CUDA engine). ``engines.create(name, ...)`` builds one by name;
 ``api.Communicator`` talks to it only through :class:`Engine` and :class:`CallContext`, so a new
-engine is a new registry entry, not a new branch in the API.
+engine is a new registry entry, not a new branch in the API. An engine's MoE part has a contract of
+its own, in the MoE wing: :mod:`purlin_sglang.moe.engine`.
 """
 
 from __future__ import annotations
@@ -171,32 +172,3 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Drop this engine's references to the workspace and its tables. Local; safe twice."""
-
-
-@runtime_checkable
-class MoEEngine(Protocol):
-    """One rank's MoE dispatch / combine, built by ``engines.create_moe(name, comm)`` for a Communicator."""
-
-    hbm_bytes: int
-
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                 capacity: Optional[int], quant: str, capturing: bool) -> Any: ...
-
-    def combine(self, expert_out: torch.Tensor, d: Any) -> torch.Tensor: ...
-
-    def reject(self, error: Exception) -> None:
-        """An eager dispatch whose arguments this rank rejected: tell the peers (they raise naming this
-        rank) and raise ``error``."""
-        ...
-
-    def reject_combine(self, error: Exception) -> None:
-        """A combine whose arguments this rank rejected: end the peers' combine of this call without a
-        timeout (they raise, naming this rank: at once on the CPU engine, at their next check on CUDA) and
-        raise ``error``. The communicator stays usable."""
-        ...
-
-    def check(self, fatal_only: bool = False) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def close(self) -> None: ...

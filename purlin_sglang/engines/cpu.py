@@ -20,7 +20,6 @@ from ..errors import PurlinBrokenError, PurlinError, PurlinMismatchError, Purlin
 from ..memory.host import HostWorkspace
 from ..memory.layout import RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
-from . import cpu_moe
 from .base import SPLIT_ARGS, SPLIT_ARGS_RUN, CallContext, describe_info, mismatch_message, rows_phrase
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -226,51 +225,3 @@ class CpuEngine:
 
     def close(self) -> None:
         self.ws = None
-
-
-class CpuMoE:
-    """The CPU engine's MoE dispatch / combine for one Communicator (implements :class:`~.base.MoEEngine`):
-    collectives over the communicator itself, planned by ``snac.moe`` (see engines/cpu_moe.py)."""
-
-    hbm_bytes = 0
-
-    def __init__(self, comm):
-        self.comm = comm
-        self._plans: dict[tuple, object] = {}
-
-    def _plan(self, kind: str, num_experts: int, capacity: int | None, quant: str):
-        from ..collectives import MOE_COMBINE, MOE_DISPATCH
-        from ..snac.moe import make_moe_plan
-
-        key = (kind, num_experts, capacity, quant)
-        plan = self._plans.get(key)
-        if plan is None:
-            spec = MOE_DISPATCH if kind == "dispatch" else MOE_COMBINE
-            plan = self._plans[key] = make_moe_plan(spec, self.comm.world_size, self.comm.rank, num_experts,
-                                                    capacity=capacity, quant=quant)
-        return plan
-
-    def reject(self, error) -> None:
-        """This rank's arguments are bad: tell the peers (they wait in the header exchange) and raise."""
-        cpu_moe.reject(self.comm, "moe_dispatch", error)
-
-    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
-        plan = self._plan("dispatch", num_experts, capacity, quant)
-        return cpu_moe.dispatch(self.comm, plan, x, ids, weights, id(self.comm))
-
-    def reject_combine(self, error) -> None:
-        cpu_moe.combine_status(self.comm, error)
-
-    def combine(self, expert_out, d):
-        cpu_moe.combine_status(self.comm)
-        return cpu_moe.combine(self.comm, expert_out, d)
-
-    def check(self, fatal_only: bool = False) -> None:
-        """Nothing is recorded for later: CPU MoE calls raise their own errors."""
-
-    def synchronize(self) -> None:
-        """A no-op: CPU MoE calls have finished when they return."""
-
-    def close(self) -> None:
-        self._plans.clear()
-        self.comm = None

@@ -1,7 +1,9 @@
-"""Argument checks of moe_dispatch / moe_combine: done before anything is shared, so a bad call
-raises PurlinValueError (naming the argument) and leaves the communicator usable. An eager dispatch
-rejected on one rank is announced to its peers in the call's header exchange
-(engines/cpu_moe.py: ``reject``), so they raise too instead of waiting for it."""
+"""The API glue of moe_dispatch / moe_combine: the argument checks, then the call on the engine's MoE
+part (:class:`~.engine.MoEEngine`). The checks run before anything is shared, so a bad call raises
+PurlinValueError (naming the argument) and leaves the communicator usable. An eager dispatch
+rejected on one rank is announced to its peers in the call's header exchange (``MoEEngine.reject``,
+:mod:`.exchange`), so they raise too instead of waiting for it; a rejected combine ends the peers'
+combine (``MoEEngine.reject_combine``)."""
 
 from __future__ import annotations
 
@@ -91,6 +93,17 @@ def check_combine(expert_out: Any, d: Any, device: torch.device, owner: int) -> 
     if tuple(expert_out.shape) != (d.rows, d.hidden):
         raise PurlinValueError(f"{op}: expert_out has shape {tuple(expert_out.shape)}; expected "
                                f"{(d.rows, d.hidden)} (d.x's rows and hidden size)")
+
+
+def checked_combine(moe: Any, expert_out: Any, d: Any, device: torch.device, owner: int) -> torch.Tensor:
+    """Validate a moe_combine call, then run it on the MoE engine ``moe``. A bad argument raises
+    PurlinValueError after ``moe.reject_combine`` ended the peers' combine without a timeout."""
+    try:
+        check_combine(expert_out, d, device, owner)
+    except PurlinValueError as e:
+        moe.reject_combine(e)  # raises e
+        raise
+    return moe.combine(expert_out, d)
 
 
 def check_id_range(lo: int, hi: int, num_experts: int) -> None:

@@ -49,6 +49,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from ..config import MoESettings
 from ..errors import PurlinError
+from ..moe.limits import default_capacity, token_excess
 from .moe_config import wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,12 @@ def _say_once(text: str) -> None:
         logger.info(text)
 
 
-def _warn_if_prefill_exceeds(max_tokens: int, ep_size: int) -> None:
+def largest_shard(tokens: int, ep_size: int) -> int:
+    """The most tokens one rank's shard of a batch of ``tokens`` holds (every rank computes the same)."""
+    return -(-tokens // ep_size)
+
+
+def _warn_if_prefill_exceeds(settings: MoESettings, ep_size: int) -> None:
     """Say once, at start-up, when SGLang's largest prefill batch would give shards over the limit
     (such a batch raises at its dispatch)."""
     try:
@@ -113,13 +119,13 @@ def _warn_if_prefill_exceeds(max_tokens: int, ep_size: int) -> None:
         largest = max_prefill_buffer_tokens()
     except Exception:  # noqa: BLE001 - not published (tests, tools): nothing to compare
         return
-    shard = -(-largest // ep_size) if largest else 0
-    if shard > max_tokens and (largest, max_tokens) not in _warned:
-        _warned.add((largest, max_tokens))
-        logger.warning("purlin_sglang: prefill batches of up to %d tokens give shards of %d tokens per rank, more "
-                       "than moe.max_tokens_per_rank %d: such a batch raises at its MoE dispatch; raise "
-                       "moe.max_tokens_per_rank to %d or lower --chunked-prefill-size", largest, shard, max_tokens,
-                       shard)
+    shard = largest_shard(largest, ep_size) if largest else 0
+    excess = token_excess(settings, shard)
+    if excess and (largest, excess) not in _warned:
+        _warned.add((largest, excess))
+        logger.warning("purlin_sglang: prefill batches of up to %d tokens give shards of %d tokens per rank, %s: "
+                       "such a batch raises at its MoE dispatch; raise moe.max_tokens_per_rank to %d or lower "
+                       "--chunked-prefill-size", largest, shard, excess, shard)
 
 
 @dataclass
@@ -160,7 +166,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.wire_dtype = wire_dtype(config)
         self.force_fixed_rows = fixed_rows
         self._pending: Optional[_Pending] = None
-        _warn_if_prefill_exceeds(config.max_tokens_per_rank, self.moe_ep_size)
+        _warn_if_prefill_exceeds(config, self.moe_ep_size)
         _say_once(f"purlin_sglang: MoE layers dispatch and combine through purlin: EP rank {self.moe_ep_rank} of "
                   f"{self.moe_ep_size} ({getattr(self.group, 'unique_name', 'group')}, engine "
                   f"{self.comm.engine_name}), rows on the wire in "
@@ -198,12 +204,12 @@ class PurlinMoEDispatcher(BaseDispatcher):
             x = x.to(torch.bfloat16)
         ids = topk_output.topk_ids[lo:hi]
         weights = topk_output.topk_weights[lo:hi]
-        capacity = self.config.max_tokens_per_rank if self.fixed_rows(x.device) else None
-        largest = -(-tokens // self.moe_ep_size)  # the largest shard: every rank decides alike
-        if largest > self.config.max_tokens_per_rank:
+        capacity = default_capacity(self.config) if self.fixed_rows(x.device) else None
+        largest = largest_shard(tokens, self.moe_ep_size)  # the largest shard: every rank decides alike
+        excess = token_excess(self.config, largest)
+        if excess:
             raise PurlinError(f"purlin MoE dispatcher: a batch of {tokens} tokens over {self.moe_ep_size} ranks gives "
-                              f"shards of up to {largest} tokens, more than moe.max_tokens_per_rank "
-                              f"{self.config.max_tokens_per_rank}; raise it in --purlin-config")
+                              f"shards of up to {largest} tokens, {excess}; raise it in --purlin-config")
         wire = self.wire_dtype if self.wire_dtype is torch.float8_e4m3fn else None
         d = self.comm.moe_dispatch(x.contiguous(), ids.contiguous(), weights.contiguous(),
                                    num_experts=self.num_experts, capacity=capacity, dtype=wire)

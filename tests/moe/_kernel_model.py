@@ -1,6 +1,6 @@
 """A Python model of native/moe/moe_kernel.cuh, standing in for the native library on CPU.
 
-It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/engines/cuda_moe.py) and
+It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/moe/cuda.py) and
 follows the kernels step by step (put rows, count words, wait, expand, padding; put back, done
 words, wait, reduce) over raw addresses of CPU tensors, so the engine's glue (parameters, layout,
 modes, errors) and the protocol are checked without a GPU. Each rank's "kernel" runs in its

@@ -1,4 +1,4 @@
-"""The CUDA engine's MoE glue (engines/cuda_moe.py) on CPU, over a Python model of the kernels
+"""The CUDA engine's MoE glue (purlin_sglang/moe/cuda.py) on CPU, over a Python model of the kernels
 (_kernel_model.py) that reads the same parameter struct: eager exact and capacity layouts, FP8,
 graph-mode calls (the capturing path) repeated on one region with new routings (epochs, parities),
 back-to-back dispatches, a capacity overflow and out-of-range ids recorded "on the device" and
@@ -6,7 +6,6 @@ raised at synchronize(), against the torch reference. The CUDA kernels themselve
 tests/gpu/test_moe.py; this checks what the host fills in and the protocol the kernels follow."""
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +13,11 @@ import torch
 import purlin_sglang as ps
 from _kernel_model import FakeMoELib
 from _moe_cases import FP8, check_results, expert_fn, make_case
-from purlin_sglang.engines import cuda_moe
-from purlin_sglang.engines.cuda_moe import CudaMoE, SharedRegions
+from purlin_sglang.moe import cuda as cuda_moe
+from purlin_sglang.moe.cuda import CudaMoE
+from purlin_sglang.moe.engine import MoEContext
+from purlin_sglang.moe.exchange import CountExchange
+from purlin_sglang.moe.region import SharedRegions
 from purlin_sglang.moe.validate import check_dispatch
 
 H = 16
@@ -40,27 +42,25 @@ class _Group:
         return out
 
 
-class _Comm:
-    def __init__(self, rank, world, group, vworld, cfg):
-        self.rank, self.world_size, self.device, self.config, self.group = rank, world, torch.device("cpu"), cfg, None
-        self._vworld, self._g = vworld, group
-        self._engine = SimpleNamespace(mark_broken=lambda msg: None)
-
-    def all_gather(self, t):
-        return self._g.all_gather(self.rank, t)
+def _context(rank, world, group, regions, cfg):
+    """The MoE context a Communicator of a virtual world would build (its all_gather over ``group``)."""
+    return MoEContext(rank=rank, world=world, device=torch.device("cpu"), config=cfg, owner=id(group),
+                      all_gather=lambda t: group.all_gather(rank, t), all_to_all_v=None, mark_broken=lambda msg: None,
+                      ranks_on_gpu=world, shared_regions=regions)
 
 
-def _moe(comm, lib):
+def _moe(ctx, lib):
     """A CudaMoE as its __init__ makes it, with CPU stand-ins for the pinned buffers."""
     m = CudaMoE.__new__(CudaMoE)
-    m.comm, m.lib, m.device, m.world, m.rank = comm, lib, comm.device, comm.world_size, comm.rank
-    m.max_tokens, m.blocks, m.one_device = comm.config.moe.max_tokens_per_rank, 16, True
+    m.ctx, m.lib, m.device, m.world, m.rank = ctx, lib, ctx.device, ctx.world, ctx.rank
+    m.settings, m.blocks, m.one_device = ctx.config.moe, 16, True
     m.layout = m.region = m._own_region = None
     m._host_error = torch.zeros(16, dtype=torch.int64)
     m._err = m._host_error.numpy()
     m._pin_up = torch.zeros(cuda_moe.PIN_WORDS, dtype=torch.int64)
-    m._pin_down = torch.zeros(cuda_moe.PIN_WORDS * comm.world_size, dtype=torch.int64)
+    m._pin_down = torch.zeros(cuda_moe.PIN_WORDS * ctx.world, dtype=torch.int64)
     m._stream, m.broken = None, None
+    m.exchange = CountExchange(ctx, m._to_device, m._to_host)
     return m
 
 
@@ -70,8 +70,8 @@ def world_of(monkeypatch):
 
     def run(world, fn, max_tokens=16):
         cfg = ps.PurlinConfig(timeout_s=5, moe={"max_tokens_per_rank": max_tokens})
-        lib, group, vworld = FakeMoELib(5.0), _Group(world), SimpleNamespace(moe_regions=SharedRegions())
-        moes = [_moe(_Comm(r, world, group, vworld, cfg), lib) for r in range(world)]
+        lib, group, regions = FakeMoELib(5.0), _Group(world), SharedRegions()
+        moes = [_moe(_context(r, world, group, regions, cfg), lib) for r in range(world)]
         out, errs = [None] * world, [None] * world
 
         def body(r):

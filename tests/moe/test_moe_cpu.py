@@ -11,9 +11,9 @@ import torch
 
 import purlin_sglang as ps
 from _moe_cases import FP8, check_results, make_case, run_rank
-from purlin_sglang.collectives import MOE_COMBINE, MOE_DISPATCH
 from purlin_sglang.moe.reference import reference_dispatch
-from purlin_sglang.snac.moe import make_moe_plan
+from purlin_sglang.moe.namings import MOE_COMBINE, MOE_DISPATCH
+from purlin_sglang.moe.plan import make_moe_plan
 
 CFG = {"staging_bytes": 1 << 16, "timeout_s": 20}
 

@@ -219,6 +219,7 @@ def _prefill_warning(world: int) -> list:
 
     import sglang.srt.runtime_context as rc
 
+    from purlin_sglang.config import MoESettings
     from purlin_sglang.sglang import moe_dispatcher
 
     lines = []
@@ -230,7 +231,7 @@ def _prefill_warning(world: int) -> list:
     log = logging.getLogger("purlin_sglang.sglang.moe_dispatcher")
     log.addHandler(Keep(level=logging.WARNING))
     with mock.patch.object(rc, "max_prefill_buffer_tokens", lambda: 1000):
-        moe_dispatcher._warn_if_prefill_exceeds(128, world)
-        moe_dispatcher._warn_if_prefill_exceeds(128, world)
-        moe_dispatcher._warn_if_prefill_exceeds(1000, world)  # within the limit: nothing
+        moe_dispatcher._warn_if_prefill_exceeds(MoESettings(max_tokens_per_rank=128), world)
+        moe_dispatcher._warn_if_prefill_exceeds(MoESettings(max_tokens_per_rank=128), world)
+        moe_dispatcher._warn_if_prefill_exceeds(MoESettings(max_tokens_per_rank=1000), world)  # within: nothing
     return lines

@@ -1,4 +1,5 @@
-"""The MoE region's layout: ONE description of every MoE offset (the kernels compute none).
+"""The CUDA engine's MoE region: its layout (:class:`MoELayout`, ONE description of every MoE offset;
+the kernels compute none) and the loopback world's one allocation (:class:`SharedRegions`).
 
 A rank's MoE region is separate from the collectives' workspace (peers may still read that
 staging) and is made on the first CUDA MoE call (collective; loopback: one allocation for every
@@ -17,13 +18,21 @@ acknowledgement: a producer writes parity p again two calls later, after it saw,
 between, its consumer's word of that call, which the consumer writes only after it finished the
 call that read parity p. Footprint: ``2*W*M*(hdr + H*e_d) + 2*M*K*H*e_x`` plus a few KiB; at
 M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB).
+
+Virtual ranks on one GPU share one allocation (:class:`SharedRegions`, which the virtual world
+holds and the MoE context hands the CUDA part); a process group's rank gets its own from the
+configured device provider (:mod:`.cuda`).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
+import torch
+
 from ..abi import MOE_MAX_EXPERTS as MAX_EXPERTS, MOE_STATE_BYTES as STATE_BYTES
+from ..errors import PurlinValueError
 
 
 def _align(n: int, a: int) -> int:
@@ -85,3 +94,40 @@ class MoELayout:
         if ret_bytes is not None:
             ok = ok and self.max_tokens * topk * ret_bytes <= self.ret_parity_bytes
         return ok
+
+
+class LoopbackMoERegion:
+    """Every virtual rank's MoE region in ONE allocation (zeroed, then the stream synchronized)."""
+
+    def __init__(self, layout: MoELayout, device: torch.device):
+        self.layout = layout
+        self._buf = torch.zeros(layout.rank_bytes * layout.world, dtype=torch.uint8, device=device)
+        torch.cuda.current_stream(device).synchronize()  # zeroed before any rank's kernel runs
+        base = self._buf.data_ptr()
+        self.base_ptrs = [base + r * layout.rank_bytes for r in range(layout.world)]
+
+    def close(self) -> None:
+        self._buf = None
+
+
+class SharedRegions:
+    """The loopback world's MoE region, made by the first virtual rank that needs it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.region: LoopbackMoERegion | None = None
+
+    def get(self, layout: MoELayout, device: torch.device) -> LoopbackMoERegion:
+        with self._lock:
+            if self.region is None:
+                self.region = LoopbackMoERegion(layout, device)
+            elif self.region.layout != layout:
+                raise PurlinValueError(
+                    f"moe_dispatch: the virtual ranks' first MoE calls disagree on the region ({self.region.layout} "
+                    f"vs {layout}): hidden size, top-k or dtype differ between ranks")
+            return self.region
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.close()
+        self.region = None

@@ -1,4 +1,4 @@
-"""The CUDA engine's MoE: one kernel per call.
+"""The CUDA engine's MoE part (:class:`CudaMoE`, a :class:`~.engine.MoEEngine`): one kernel per call.
 
 Dispatch: one kernel (native/moe/moe_kernel.cuh: route and FP8 quantisation in the kernel, put rows,
 count words, wait, expand) over the caller's x and topk ids as they are. Combine: the
@@ -14,72 +14,79 @@ Modes:
   under capture (PurlinValueError). Eager calls with ``capacity=`` also exchange the counts first
   and raise at once, on every rank.
 * eager exact (no capacity, not capturing): the counts (and a header of the call's shape) are
-  all-gathered first with the CUDA engine's all_gather and read on the host (a sync), which sizes
-  the rows exactly (capacity = the largest count) and catches a hidden-size mismatch on every rank.
+  all-gathered first (the wing's count exchange, :mod:`.exchange`, over the context's all_gather:
+  the CUDA engine's) and read on the host (a sync), which sizes the rows exactly (capacity = the
+  largest count) and catches a hidden-size mismatch on every rank.
 
-The MoE region (memory/moe_layout.py) is made on the first call: collective, blocks the host,
+The MoE region (:mod:`.region`) is made on the first call: collective, blocks the host,
 not capturable (warm up before capturing). Its geometry comes from that call; a later call with
-larger rows or top-k raises PurlinValueError.
+larger rows or top-k raises PurlinValueError. Errors the kernels record are decoded through
+``native.MOE_ERROR_CODES``, the table the library's layout is checked against at load.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
 from .. import native
 from ..errors import (
-    PurlinBrokenError, PurlinCapacityError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError,
+    PurlinBrokenError, PurlinCapacityError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinTimeoutError,
     PurlinUnavailableError, PurlinValueError,
 )
-from ..memory.moe_layout import MAX_EXPERTS, MoELayout, header_bytes
-from ..moe.dispatch import MoEDispatch
-from ..moe.routing import expert_counts
-from ..moe.validate import check_id_range
-from .cpu_moe import dtype_code, exchange_header, overflow, reject
+from .dispatch import MoEDispatch
+from .engine import MoEContext
+from .exchange import CountExchange
+from .limits import default_capacity, token_excess
+from .region import MAX_EXPERTS, MoELayout, header_bytes
+from .routing import expert_counts
+from .validate import check_id_range
 
 PIN_WORDS = MAX_EXPERTS + 16
 MAX_BLOCKS = 16  # per rank (as the SNAC engine): every rank of a GPU co-resident with a wide margin
+MAX_TOPK = 32  # top-k columns one warp's lanes rank at once (native/moe/moe_kernel.cuh)
 _CODES = {getattr(torch, n): native.DTYPE_CODES[n] for n in ("bfloat16", "float16", "float32")}  # combine dtypes
+# The kernels' host-mapped error record (moe_kernel.cuh record()): word i holds field i; word 0 is the code, a
+# value of native.MOE_ERROR_CODES (0: none). ``kind`` names the call whose wait or check recorded it.
+RECORD_FIELDS = ("code", "kind", "rank", "peer", "expert", "count", "cap", "epoch", "seen")
+KIND_DISPATCH, KIND_COMBINE = 0, 1
+KINDS = {KIND_DISPATCH: ("moe_dispatch", "count word"), KIND_COMBINE: ("moe_combine", "done word")}  # op, word
+FATAL = ("TIMEOUT", "MISMATCH")  # the codes that break the communicator; the others are raised once
 
 
-class LoopbackMoERegion:
-    """Every virtual rank's MoE region in ONE allocation (zeroed, then the stream synchronized)."""
-
-    def __init__(self, layout: MoELayout, device: torch.device):
-        self.layout = layout
-        self._buf = torch.zeros(layout.rank_bytes * layout.world, dtype=torch.uint8, device=device)
-        torch.cuda.current_stream(device).synchronize()  # zeroed before any rank's kernel runs
-        base = self._buf.data_ptr()
-        self.base_ptrs = [base + r * layout.rank_bytes for r in range(layout.world)]
-
-    def close(self) -> None:
-        self._buf = None
-
-
-class SharedRegions:
-    """The loopback world's MoE region, made by the first virtual rank that needs it."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.region: LoopbackMoERegion | None = None
-
-    def get(self, layout: MoELayout, device: torch.device) -> LoopbackMoERegion:
-        with self._lock:
-            if self.region is None:
-                self.region = LoopbackMoERegion(layout, device)
-            elif self.region.layout != layout:
-                raise PurlinValueError(
-                    f"moe_dispatch: the virtual ranks' first MoE calls disagree on the region ({self.region.layout} "
-                    f"vs {layout}): hidden size, top-k or dtype differ between ranks")
-            return self.region
-
-    def close(self) -> None:
-        if self.region is not None:
-            self.region.close()
-        self.region = None
+def recorded_error(words, timeout_s: float) -> tuple[PurlinError, bool] | None:
+    """The error the record ``words`` holds and whether it is fatal (:data:`FATAL`), or None when it holds
+    none. The code is looked up by name in ``native.MOE_ERROR_CODES``; one it does not name reads as a
+    timeout."""
+    if not words[0]:  # the check before every call: one word read
+        return None
+    f = dict(zip(RECORD_FIELDS, (int(v) for v in words[:len(RECORD_FIELDS)])))
+    name = {v: k for k, v in native.MOE_ERROR_CODES.items()}.get(f["code"], "TIMEOUT")
+    op, what = KINDS.get(f["kind"], KINDS[KIND_DISPATCH])
+    rank, peer, epoch, count, cap = f["rank"], f["peer"], f["epoch"], f["count"], f["cap"]
+    if name == "OVERFLOW":
+        error: PurlinError = PurlinCapacityError(
+            f"{op}: rank {peer} routed {count} rows to expert {f['expert']}, more than capacity={cap} (seen by rank "
+            f"{rank}, call #{epoch}); the rows past capacity were not delivered; raise capacity or "
+            "moe.max_tokens_per_rank", rank=peer, expert=f["expert"], count=count, capacity=cap)
+    elif name == "BAD_IDS":
+        error = PurlinValueError(f"{op}: topk_ids held {count} id(s) outside [-1, num_experts) in a captured call "
+                                 f"(#{epoch}); they were skipped")
+    elif name == "REJECTED":
+        error = PurlinValueError(f"{op}: rank {peer} rejected its arguments of MoE combine #{epoch} (its error names "
+                                 "the argument); no rank reduced that call's outputs; the communicator stays usable")
+    elif name == "MISMATCH":
+        error = PurlinMismatchError(
+            f"{op}: rank {peer} dispatched rows of another shape (meta {count:#x}, mine {cap:#x}: hidden size, top-k "
+            "or expert count differ between ranks); the communicator is now broken", op=op, rank=rank, peer=peer)
+    else:
+        name = "TIMEOUT"
+        error = PurlinTimeoutError(
+            f"{op}: rank {rank} waited {timeout_s:g}s for rank {peer}'s {what} of MoE call #{epoch} (saw "
+            f"#{f['seen']}). Rank {peer} skipped this call or is stuck; the communicator is now broken",
+            op=op, rank=rank, missing=[peer])
+    return error, name in FATAL
 
 
 class _State:
@@ -92,21 +99,23 @@ class _State:
 
 
 class CudaMoE:
-    def __init__(self, comm):
-        self.comm = comm
+    """The CUDA engine's MoE part for one rank (see the module doc). Made by the Communicator when it
+    starts (a pinned allocation, an occupancy query); the region comes with the first call."""
+
+    def __init__(self, ctx: MoEContext):
+        self.ctx = ctx
         self.lib = native.load()
-        self.device = comm.device
-        self.world, self.rank = comm.world_size, comm.rank
-        self.max_tokens = comm.config.moe.max_tokens_per_rank
-        virtual = comm.group is None
+        self.device = ctx.device
+        self.world, self.rank = ctx.world, ctx.rank
+        self.settings = ctx.config.moe
         with torch.cuda.device(self.device):
             per_sm, sms = self.lib.moe_occupancy(self.device_index)
-        slots = per_sm * sms // (self.world if virtual else 1)
+        slots = per_sm * sms // ctx.ranks_on_gpu
         if slots < 1:
             raise PurlinUnavailableError(f"moe_dispatch: {self.world} virtual ranks cannot all be resident on "
                                          f"{sms} SMs ({per_sm} MoE block(s) per SM)")
         self.blocks = min(MAX_BLOCKS, slots)
-        self.one_device = virtual  # every rank's region on this GPU: the kernels signal at GPU scope
+        self.one_device = ctx.group is None  # virtual ranks, every region on this GPU: signals at GPU scope
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
@@ -120,6 +129,7 @@ class CudaMoE:
         self._pin_down = torch.zeros(PIN_WORDS * self.world, dtype=torch.int64, pin_memory=True)
         self._stream = None
         self.broken: str | None = None
+        self.exchange = CountExchange(ctx, self._to_device, self._to_host)
 
     @property
     def device_index(self) -> int:
@@ -138,15 +148,15 @@ class CudaMoE:
         if capturing:
             raise PurlinUnavailableError("moe_dispatch: the MoE region is made on the first call, which cannot be "
                                          "captured; run the call once outside the CUDA graph capture (warm-up)")
-        layout = MoELayout(self.world, self.max_tokens, topk, payload_bytes, ret_bytes)
-        vworld = getattr(self.comm, "_vworld", None)
-        if vworld is not None:
-            self.region = vworld.moe_regions.get(layout, self.device)
+        ctx = self.ctx
+        layout = MoELayout(self.world, self.settings.max_tokens_per_rank, topk, payload_bytes, ret_bytes)
+        if ctx.shared_regions is not None:
+            self.region = ctx.shared_regions.get(layout, self.device)
         else:
             from ..memory import device_provider
 
-            self._own_region = device_provider(self.comm.memory).create(
-                layout.rank_bytes, self.comm.group, self.device.index, self.rank, self.world, layout=layout)
+            self._own_region = device_provider(ctx.memory).create(
+                layout.rank_bytes, ctx.group, self.device.index, self.rank, self.world, layout=layout)
             self.region = self._own_region
         self.layout = layout
         return layout
@@ -163,7 +173,7 @@ class CudaMoE:
         p.count_off, p.count_bytes, p.done_off = layout.count_off, layout.count_bytes, layout.done_off
         p.recv_off, p.recv_parity_bytes = layout.recv_off, layout.recv_parity_bytes
         p.ret_off, p.ret_parity_bytes, p.state_off = layout.ret_off, layout.ret_parity_bytes, layout.state_off
-        p.timeout_ns = int(self.comm.config.timeout_s * 1e9)
+        p.timeout_ns = int(self.ctx.config.timeout_s * 1e9)
         p.host_error = self._host_error.data_ptr()
         p.device = self.device_index  # made current by the library before the launch
         p.one_device = int(self.one_device)
@@ -188,37 +198,18 @@ class CudaMoE:
         peers wait for it, and raising in a dispatch would make the caller skip the combine."""
         if self.broken:
             raise PurlinBrokenError(f"moe: the communicator is broken ({self.broken})")
-        codes = native.MOE_ERROR_CODES
-        if not self._err[0] or (fatal_only and int(self._err[0]) not in (codes["TIMEOUT"], codes["MISMATCH"])):
+        found = recorded_error(self._err, self.ctx.config.timeout_s)
+        if found is None:
             return
-        code, kind, rank, peer, expert, count, cap, epoch, seen = (int(v) for v in self._err[:9])
-        op = "moe_combine" if kind == 1 else "moe_dispatch"
-        if code == codes["OVERFLOW"]:
-            self._err[:] = 0
-            raise PurlinCapacityError(
-                f"{op}: rank {peer} routed {count} rows to expert {expert}, more than capacity={cap} (seen by rank "
-                f"{rank}, call #{epoch}); the rows past capacity were not delivered; raise capacity or "
-                "moe.max_tokens_per_rank", rank=peer, expert=expert, count=count, capacity=cap) from None
-        if code == codes["BAD_IDS"]:
-            self._err[:] = 0
-            raise PurlinValueError(f"{op}: topk_ids held {count} id(s) outside [-1, num_experts) in a captured call "
-                                   f"(#{epoch}); they were skipped")
-        if code == codes["REJECTED"]:
-            self._err[:] = 0
-            raise PurlinValueError(f"{op}: rank {peer} rejected its arguments of MoE combine #{epoch} (its error names "
-                                   "the argument); no rank reduced that call's outputs; the communicator stays usable")
-        if code == codes["MISMATCH"]:
-            msg = (f"{op}: rank {peer} dispatched rows of another shape (meta {count:#x}, mine {cap:#x}: hidden "
-                   "size, top-k or expert count differ between ranks); the communicator is now broken")
-            self.broken = msg
-            self.comm._engine.mark_broken(msg)
-            raise PurlinMismatchError(msg, op=op, rank=rank, peer=peer)
-        what = "count word" if kind == 0 else "done word"
-        msg = (f"{op}: rank {rank} waited {self.comm.config.timeout_s:g}s for rank {peer}'s {what} of MoE call "
-               f"#{epoch} (saw #{seen}). Rank {peer} skipped this call or is stuck; the communicator is now broken")
-        self.broken = msg
-        self.comm._engine.mark_broken(msg)
-        raise PurlinTimeoutError(msg, op=op, rank=rank, missing=[peer])
+        error, fatal = found
+        if not fatal:
+            if fatal_only:
+                return
+            self._err[:] = 0  # raised once
+            raise error from None
+        self.broken = str(error)
+        self.ctx.mark_broken(self.broken)
+        raise error
 
     # -- small host <-> device moves of the eager exchange ----------------------------------------------
     def _to_device(self, values) -> torch.Tensor:
@@ -254,11 +245,11 @@ class CudaMoE:
         op = "moe_dispatch"
         t_n, k_n = ids.shape
         hidden = x.shape[1]
-        if t_n > self.max_tokens:
-            raise PurlinValueError(f"{op}: x has {t_n} tokens, more than moe.max_tokens_per_rank="
-                                   f"{self.max_tokens} (the CUDA engine's MoE region is sized by it)")
-        if k_n > 32:
-            raise PurlinValueError(f"{op}: topk_ids has {k_n} columns; the CUDA engine supports top-k <= 32")
+        excess = token_excess(self.settings, t_n)
+        if excess:
+            raise PurlinValueError(f"{op}: x has {t_n} tokens, {excess} (the CUDA engine's MoE region is sized by it)")
+        if k_n > MAX_TOPK:
+            raise PurlinValueError(f"{op}: topk_ids has {k_n} columns; the CUDA engine supports top-k <= {MAX_TOPK}")
         if num_experts > MAX_EXPERTS:
             raise PurlinValueError(f"{op}: num_experts={num_experts}; the CUDA engine supports at most {MAX_EXPERTS}")
         payload_bytes = hidden * (1 if quant == "fp8" else x.element_size())
@@ -273,7 +264,7 @@ class CudaMoE:
     def reject(self, error: PurlinValueError) -> None:
         """This rank's arguments are bad (eager): tell the peers, which wait in the header exchange, and
         raise ``error``; they raise too, naming this rank, and no rank launches."""
-        reject(self.comm, "moe_dispatch", error, self._to_device, self._to_host)
+        self.exchange.reject(error)
 
     def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
         self.check(fatal_only=True)
@@ -289,19 +280,13 @@ class CudaMoE:
         hidden = x.shape[1]
         cap, index, rows_exact = capacity, None, None
         if not capturing:  # eager: every rank learns every count (header first: shapes must agree)
-            exchange_header(self.comm, op, (num_experts, k_n, hidden, dtype_code(x.dtype), int(quant == "fp8"),
-                                            capacity or 0), t_n, self._to_device, self._to_host)
-            matrix = self._to_host(self.comm.all_gather(expert_counts(ids, num_experts))).view(world, num_experts)
-            if capacity is not None:
-                err = overflow(_PlanLike(capacity, local), matrix)
-                if err is not None:
-                    raise err
-            else:
+            matrix = self.exchange.run(x, ids, num_experts, capacity, quant, expert_counts(ids, num_experts))
+            if capacity is None:
                 mine = matrix[:, self.rank * local:(self.rank + 1) * local]
                 cap = max(1, int(mine.max()) if mine.numel() else 1)
                 rows_exact = mine.sum(0)
         elif cap is None:
-            cap = self.max_tokens
+            cap = default_capacity(self.settings)
         layout = self._region(k_n, payload_bytes, hidden * x.element_size(), capturing)
         x = x.contiguous()
         x = x if x.data_ptr() % 16 == 0 else x.clone()  # a view at an odd offset: the kernel moves 16-byte vectors
@@ -339,7 +324,7 @@ class CudaMoE:
             x=d_x, expert=d_expert, counts=out_counts, scales=d_scales, src_rank=d_src, src_slot=d_slot, tokens=t_n,
             topk=k_n, hidden=hidden, num_experts=num_experts, capacity=None if rows_exact is not None else cap,
             weights=ws if ws.dtype == torch.float32 and ws.is_contiguous() else ws.to(torch.float32).contiguous(),
-            valid=valid, _engine=state, _owner=id(self.comm))
+            valid=valid, _engine=state, _owner=self.ctx.owner)
 
     def reject_combine(self, error: PurlinValueError) -> None:
         """This rank's combine arguments are bad: run the combine kernel with nothing to put back, so the
@@ -386,10 +371,3 @@ class CudaMoE:
 
 def capturing_now() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-class _PlanLike:
-    """The two fields of a MoEPlan that ``overflow`` reads."""
-
-    def __init__(self, capacity: int, local: int):
-        self.capacity, self.local_experts = capacity, local

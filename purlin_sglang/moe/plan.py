@@ -28,15 +28,16 @@ combine (``moe_combine``: transposedV -> routed weighted reduce)
 Engines: the CPU engine (the oracle) runs CountExchange as an all-gather of count vectors and
 PutRows / PutBack as all_to_all_v calls through its staging; the CUDA engine runs every step of a
 call, the route and the FP8 quantisation included, in one kernel (native/moe/) over a dedicated
-double-buffered MoE region (memory/moe_layout.py).
+double-buffered MoE region (moe/region.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..collectives import MOE_COMBINE, MOE_DISPATCH, CollectiveSpec
+from ..collectives import CollectiveSpec
 from ..errors import PurlinValueError
+from .namings import MOE_COMBINE, MOE_DISPATCH
 
 
 @dataclass(frozen=True)

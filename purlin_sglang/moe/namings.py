@@ -11,13 +11,13 @@
   in the fixed order k = 0..K-1 (deterministic, bitwise equal on every engine).
 
 Sizes of both exist only on the device (the routing's counts): the plans in
-:mod:`purlin_sglang.snac.moe` exchange them first.
+:mod:`purlin_sglang.moe.plan` exchange them first.
 """
 
 from __future__ import annotations
 
-from .layout import COPY, ROUTED, TRANSPOSED_V, WEIGHTED_REDUCE
-from .spec import CollectiveSpec
+from ..collectives.layout import COPY, ROUTED, TRANSPOSED_V, WEIGHTED_REDUCE
+from ..collectives.spec import CollectiveSpec
 
 MOE_DISPATCH = CollectiveSpec("moe_dispatch", ROUTED, TRANSPOSED_V, COPY)
 MOE_COMBINE = CollectiveSpec("moe_combine", TRANSPOSED_V, ROUTED, WEIGHTED_REDUCE)

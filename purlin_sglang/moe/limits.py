@@ -1,0 +1,27 @@
+"""The limits one config puts on MoE calls, each decided here and nowhere else.
+
+``moe.max_tokens_per_rank`` (:class:`~purlin_sglang.config.MoESettings`) sizes the CUDA engine's
+MoE region (receive slots per producer, return rows per top-k slot; :mod:`.region`), so it bounds
+the tokens one rank may dispatch in one call there, and it is the capacity of a fixed-rows call that
+names none (CUDA graph capture; the SGLang dispatcher on CUDA). The CPU engine has no region and no
+such bound. Whoever refuses a call over the bound (the CUDA engine's MoE part, the SGLang dispatcher
+for its largest shard) asks :func:`token_excess`; whoever needs the default capacity asks
+:func:`default_capacity`.
+"""
+
+from __future__ import annotations
+
+from ..config import MoESettings
+
+
+def token_excess(settings: MoESettings, tokens: int) -> str:
+    """"" when one rank may dispatch ``tokens`` tokens in one call under ``settings`` (the ``moe:``
+    section); else why not, as a phrase to end an error message with: ``more than
+    moe.max_tokens_per_rank 256``."""
+    limit = settings.max_tokens_per_rank
+    return f"more than moe.max_tokens_per_rank {limit}" if tokens > limit else ""
+
+
+def default_capacity(settings: MoESettings) -> int:
+    """The rows per (source rank, local expert) of a fixed-rows call that names no capacity."""
+    return settings.max_tokens_per_rank
