@@ -49,11 +49,16 @@ class MoESettings(ConfigModel):
       source rank and local expert) of graph-mode calls.
     * ``dtype`` (``auto``): the dispatch payload for the SGLang dispatcher: ``auto`` (the activations'
       dtype), ``bf16`` or ``fp8`` (float8_e4m3fn rows with per-token float32 scales).
+    * ``signal_scope`` (``auto``): the memory scope of the CUDA kernels' count and done words:
+      ``auto`` is GPU scope where every rank's region lies on one GPU (virtual ranks) and system
+      scope otherwise; ``system`` always takes system scope, as ranks on several GPUs need (to
+      measure what that scope costs on one GPU).
     """
 
     dispatcher: Literal["none", "purlin"] = "none"
     max_tokens_per_rank: int = Field(256, ge=1, le=1 << 20)
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    signal_scope: Literal["auto", "system"] = "auto"
 
 
 class PurlinConfig(ConfigModel):

@@ -98,6 +98,12 @@ class _State:
         self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
 
 
+def signals_at_gpu_scope(ctx: MoEContext) -> bool:
+    """Whether the kernels' count and done words may signal at GPU scope: every rank's region lies on
+    this GPU (virtual ranks) and ``moe.signal_scope`` is ``auto``."""
+    return ctx.group is None and ctx.config.moe.signal_scope == "auto"
+
+
 class CudaMoE:
     """The CUDA engine's MoE part for one rank (see the module doc). Made by the Communicator when it
     starts (a pinned allocation, an occupancy query); the region comes with the first call."""
@@ -115,7 +121,7 @@ class CudaMoE:
             raise PurlinUnavailableError(f"moe_dispatch: {self.world} virtual ranks cannot all be resident on "
                                          f"{sms} SMs ({per_sm} MoE block(s) per SM)")
         self.blocks = min(MAX_BLOCKS, slots)
-        self.one_device = ctx.group is None  # virtual ranks, every region on this GPU: signals at GPU scope
+        self.one_device = signals_at_gpu_scope(ctx)
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world

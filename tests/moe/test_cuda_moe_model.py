@@ -226,3 +226,12 @@ def test_a_bad_combine_on_one_rank_ends_every_ranks_combine(world_of):
     res, lib = world_of(world, fn, max_tokens=16)
     assert "rank 1 rejected its arguments" in res[0][0], res[0][0]
     check_results([out for _, out in res], xs, ids, ws, experts)
+
+
+@pytest.mark.parametrize("group, scope, gpu", [(None, "auto", True), (None, "system", False),
+                                               (object(), "auto", False), (object(), "system", False)])
+def test_signals_take_gpu_scope_only_for_virtual_ranks_under_auto(group, scope, gpu):
+    cfg = ps.PurlinConfig(moe={"signal_scope": scope})
+    ctx = MoEContext(rank=0, world=2, device=torch.device("cpu"), config=cfg, owner=0, all_gather=None,
+                     all_to_all_v=None, mark_broken=None, group=group)
+    assert cuda_moe.signals_at_gpu_scope(ctx) is gpu
