@@ -15,8 +15,9 @@ import time
 
 import pytest
 
+from _fakes import FakeShim
 from purlin_sglang import memory, native
-from purlin_sglang.errors import PurlinUnavailableError, PurlinValueError
+from purlin_sglang.errors import PurlinValueError
 from purlin_sglang.memory import nvshmem
 from purlin_sglang.memory.device import DeviceWorkspace
 from purlin_sglang.testing import launch
@@ -29,68 +30,6 @@ WHEEL_REASON = ("the nvidia-nvshmem-cu13 (or -cu12) wheel was not installed (not
 def _not_built_info() -> dict:
     return {"built": True, "cuda": True, "path": "/nowhere/_native.so",
             "nvshmem": {"built": False, "reason": WHEEL_REASON}}
-
-
-class FakeShim:
-    """Enough of nvshmem._Shim for the set-up protocol; ``fail`` maps a method name to an error text."""
-
-    uid_bytes = 128
-
-    def __init__(self, rank, *, fail=(), devices=1, free=1 << 30, init_status=0):
-        self.rank = rank
-        self.fail = dict(fail)
-        self.devices = devices
-        self.free_bytes = free
-        self.status = init_status
-        self.calls = []
-        self.next_ptr = 0x7F0000000000 + (rank << 36)
-        self.live = set()
-
-    def _call(self, name, *args):
-        self.calls.append((name, *args))
-        if name in self.fail:
-            raise PurlinUnavailableError(f"{name}: fake failure")
-
-    def device_count(self):
-        self._call("device_count")
-        return self.devices
-
-    def mem_info(self, device):
-        self._call("mem_info", device)
-        return self.free_bytes, 2 * self.free_bytes
-
-    def init_status(self):
-        self._call("init_status")
-        return self.status
-
-    def get_uniqueid(self):
-        self._call("get_uniqueid")
-        return b"U" + self.rank.to_bytes(1, "little") + bytes(126)
-
-    def init(self, uid, pe, npes, device):
-        self._call("init", uid[:2], pe, npes, device)
-        self.status = 2
-
-    def malloc(self, device, nbytes):
-        self.calls.append(("malloc", nbytes))
-        if "malloc" in self.fail:
-            return 0, PurlinUnavailableError("nvshmem_malloc: fake NULL")
-        ptr = self.next_ptr
-        self.next_ptr += 1 << 24
-        self.live.add(ptr)
-        return ptr, None
-
-    def ptr(self, block, pe):
-        self._call("ptr", pe)
-        return block + ((pe + 1) << 32)  # "mapped" elsewhere, distinct per PE
-
-    def free(self, device, block):
-        self._call("free", block)
-        self.live.discard(block)
-
-    def finalize(self, device):
-        self._call("finalize")
-        self.status = 0
 
 
 def _attempt(fn):

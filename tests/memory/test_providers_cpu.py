@@ -8,7 +8,6 @@ processes cost seconds each on a small machine).
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import types
 import pytest
 import torch
 
+from _fakes import FakeCudart
 from purlin_sglang import memory
 from purlin_sglang.errors import PurlinClosedError, PurlinUnavailableError, PurlinValueError
 from purlin_sglang.memory import ipc, torch_symm
@@ -24,109 +24,6 @@ from purlin_sglang.memory.device import DeviceWorkspace
 from purlin_sglang.testing import launch
 
 NBYTES = 1 << 16
-
-
-# -- a fake cuda-python runtime ---------------------------------------------------------------------
-class _FakeHandle:
-    def __init__(self):
-        self._buf = ctypes.create_string_buffer(ipc.IPC_HANDLE_BYTES)
-
-    def getPtr(self):  # noqa: N802 - cuda-python's spelling
-        return ctypes.addressof(self._buf)
-
-
-class FakeCudart:
-    """Enough of cuda.bindings.runtime for IpcWorkspace; ``fail`` maps a call name to an error code."""
-
-    cudaIpcMemLazyEnablePeerAccess = 1
-    cudaError_t = types.SimpleNamespace(cudaErrorPeerAccessAlreadyEnabled=704)
-    cudaIpcMemHandle_t = _FakeHandle
-    NAMES = {2: "cudaErrorMemoryAllocation", 101: "cudaErrorInvalidDevice", 704: "cudaErrorPeerAccessAlreadyEnabled"}
-
-    def __init__(self, rank, *, devices=1, bus=None, fail=(), can_access=1, already_enabled=False):
-        self.rank = rank
-        self.devices = devices
-        self.bus = bus if bus is not None else [0] * devices  # bus id number of each local device
-        self.fail = dict(fail)
-        self.can_access = can_access
-        self.already_enabled = already_enabled
-        self.current = 0
-        self.calls = []
-        self.live = set()  # pointers allocated and not freed
-        self.opened = set()  # pointers opened and not closed
-
-    def _call(self, name, *values):
-        self.calls.append(name)
-        code = self.fail.get(name, 0)
-        return (code, *([None] * len(values))) if code else (0, *values)
-
-    def cudaGetErrorName(self, err):  # noqa: N802
-        return 0, self.NAMES.get(int(err), f"cudaError{int(err)}").encode()
-
-    def cudaGetErrorString(self, err):  # noqa: N802
-        return 0, f"fake error {int(err)}".encode()
-
-    def cudaGetDevice(self):  # noqa: N802
-        return self._call("cudaGetDevice", self.current)
-
-    def cudaSetDevice(self, d):  # noqa: N802
-        if d >= self.devices:
-            self.calls.append("cudaSetDevice")
-            return (101,)
-        self.current = d
-        return self._call("cudaSetDevice")
-
-    def cudaMalloc(self, n):  # noqa: N802
-        out = self._call("cudaMalloc", 0x7F0000000000 + (self.rank << 32))
-        if out[0] == 0:
-            self.live.add(out[1])
-        return out
-
-    def cudaMemset(self, ptr, value, n):  # noqa: N802
-        assert ptr in self.live and value == 0 and n > 0
-        return self._call("cudaMemset")
-
-    def cudaDeviceSynchronize(self):  # noqa: N802
-        return self._call("cudaDeviceSynchronize")
-
-    def cudaIpcGetMemHandle(self, ptr):  # noqa: N802
-        h = _FakeHandle()
-        ctypes.memmove(h.getPtr(), b"H" + ptr.to_bytes(8, "little"), 9)
-        return self._call("cudaIpcGetMemHandle", h)
-
-    def cudaDeviceGetPCIBusId(self, length, d):  # noqa: N802
-        return self._call("cudaDeviceGetPCIBusId", f"0000:{self.bus[d]:02X}:00.0".encode() + b"\0" * 8)
-
-    def cudaDeviceGetByPCIBusId(self, bus):  # noqa: N802
-        num = int(bus.decode().split(":")[1], 16)
-        return self._call("cudaDeviceGetByPCIBusId", self.bus.index(num) if num in self.bus else 0)
-
-    def cudaDeviceCanAccessPeer(self, d, peer):  # noqa: N802
-        return self._call("cudaDeviceCanAccessPeer", self.can_access)
-
-    def cudaDeviceEnablePeerAccess(self, peer, flags):  # noqa: N802
-        self.calls.append(f"cudaDeviceEnablePeerAccess({peer})")
-        return (704,) if self.already_enabled else (0,)
-
-    def cudaGetLastError(self):  # noqa: N802
-        return self._call("cudaGetLastError")
-
-    def cudaIpcOpenMemHandle(self, h, flags):  # noqa: N802
-        raw = ctypes.string_at(h.getPtr(), 9)
-        assert raw[:1] == b"H" and flags == 1
-        ptr = int.from_bytes(raw[1:9], "little") + 0x1000  # "mapped" at another address
-        out = self._call("cudaIpcOpenMemHandle", ptr)
-        if out[0] == 0:
-            self.opened.add(ptr)
-        return out
-
-    def cudaIpcCloseMemHandle(self, ptr):  # noqa: N802
-        self.opened.discard(ptr)
-        return self._call("cudaIpcCloseMemHandle")
-
-    def cudaFree(self, ptr):  # noqa: N802
-        self.live.discard(ptr)
-        return self._call("cudaFree")
 
 
 def _attempt(fn):
