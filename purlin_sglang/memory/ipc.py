@@ -131,59 +131,60 @@ class IpcWorkspace(WorkspaceLifetime):
         calls it, with the same ``layout_nbytes``. Blocks the host; not for CUDA graph capture.
         Raises on EVERY rank if any rank fails: :class:`PurlinValueError` for bad or
         disagreeing arguments, :class:`PurlinUnavailableError` (naming the CUDA call and its
-        error string) when cuda-python, the GPU or IPC is not usable.
+        error string) when cuda-python, the GPU or IPC is not usable. Whatever it raises (also
+        an exchange that fails because a peer died, or an interrupt), it has first closed the
+        peers' handles it opened and freed the memory it allocated.
         """
         op = "IpcWorkspace.create"
         group, gworld = setup_group(op, group)
-        cudart, own_ptr = None, None
-        # Phase 1: check, allocate, zero, export.
+        cudart, own_ptr, ws = None, None, None
         try:
-            check_create_args(op, group, layout_nbytes, device_index, rank, world)
-            cudart = load_cudart()
-            with _on_device(cudart, device_index):
-                own_ptr = int(_check(cudart, f"cudaMalloc({layout_nbytes})", cudart.cudaMalloc(layout_nbytes)))
-                _check(cudart, "cudaMemset", cudart.cudaMemset(own_ptr, 0, layout_nbytes))
-                _check(cudart, "cudaDeviceSynchronize", cudart.cudaDeviceSynchronize())
-                handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(own_ptr))
-                bus = _check(cudart, "cudaDeviceGetPCIBusId", cudart.cudaDeviceGetPCIBusId(32, device_index))
-            mine = ("ok", {"handle": _handle_bytes(handle), "bus_id": _bus_text(bus), "nbytes": layout_nbytes,
-                           "pid": os.getpid(), "device_index": device_index})
-        except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
-            mine = as_status(e)
-        try:
+            # Phase 1: check, allocate, zero, export.
+            try:
+                check_create_args(op, group, layout_nbytes, device_index, rank, world)
+                cudart = load_cudart()
+                with _on_device(cudart, device_index):
+                    own_ptr = int(_check(cudart, f"cudaMalloc({layout_nbytes})", cudart.cudaMalloc(layout_nbytes)))
+                    _check(cudart, "cudaMemset", cudart.cudaMemset(own_ptr, 0, layout_nbytes))
+                    _check(cudart, "cudaDeviceSynchronize", cudart.cudaDeviceSynchronize())
+                    handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(own_ptr))
+                    bus = _check(cudart, "cudaDeviceGetPCIBusId", cudart.cudaDeviceGetPCIBusId(32, device_index))
+                mine = ("ok", {"handle": _handle_bytes(handle), "bus_id": _bus_text(bus), "nbytes": layout_nbytes,
+                               "pid": os.getpid(), "device_index": device_index})
+            except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
+                mine = as_status(e)
             infos = agree(op, group, gworld, mine)
             check_same_nbytes(op, infos)
             pids = [i["pid"] for i in infos]
             if len(set(pids)) != len(pids):
                 raise PurlinValueError(f"{op}: several ranks live in one process (pids {pids}); CUDA IPC maps "
                                        "memory between processes: use memory='loopback' for ranks in one process")
-        except PurlinError:
-            _free_quietly(cudart, own_ptr, device_index)
-            raise
 
-        # Phase 2: enable peer access where the GPUs differ, open every peer's handle.
-        ws = cls(cudart=cudart, rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes,
-                 own_ptr=own_ptr, peer_ptrs={}, layout=layout)
-        try:
-            own_bus = infos[rank]["bus_id"]
-            with _on_device(cudart, device_index):
-                for r, info in enumerate(infos):
-                    if r == rank:
-                        continue
-                    if info["bus_id"] != own_bus:
-                        _enable_peer(cudart, device_index, info["bus_id"], r)
-                    h = _handle_from_bytes(cudart, info["handle"])
-                    ptr = _check(cudart, f"cudaIpcOpenMemHandle(rank {r})",
-                                 cudart.cudaIpcOpenMemHandle(h, cudart.cudaIpcMemLazyEnablePeerAccess))
-                    ws._peer_ptrs[r] = int(ptr)
-            mine = ("ok", None)
-        except Exception as e:  # noqa: BLE001
-            mine = as_status(e)
-        try:
+            # Phase 2: enable peer access where the GPUs differ, open every peer's handle.
+            ws = cls(cudart=cudart, rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes,
+                     own_ptr=own_ptr, peer_ptrs={}, layout=layout)
+            try:
+                own_bus = infos[rank]["bus_id"]
+                with _on_device(cudart, device_index):
+                    for r, info in enumerate(infos):
+                        if r == rank:
+                            continue
+                        if info["bus_id"] != own_bus:
+                            _enable_peer(cudart, device_index, info["bus_id"], r)
+                        h = _handle_from_bytes(cudart, info["handle"])
+                        ptr = _check(cudart, f"cudaIpcOpenMemHandle(rank {r})",
+                                     cudart.cudaIpcOpenMemHandle(h, cudart.cudaIpcMemLazyEnablePeerAccess))
+                        ws._peer_ptrs[r] = int(ptr)
+                mine = ("ok", None)
+            except Exception as e:  # noqa: BLE001
+                mine = as_status(e)
             agree(op, group, gworld, mine)
-        except PurlinError:
-            with contextlib.suppress(Exception):
-                ws.close()
+        except BaseException:  # a failed rank, a dead peer's exchange, an interrupt: release, then raise it
+            if ws is not None:
+                with contextlib.suppress(Exception):
+                    ws.close()  # the peers' handles opened so far, then this rank's memory
+            else:
+                _free_quietly(cudart, own_ptr, device_index)
             raise
         return ws
 
