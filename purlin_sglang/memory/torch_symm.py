@@ -75,49 +75,55 @@ class TorchSymmWorkspace(WorkspaceLifetime):
         Collective over ``group`` (None: the default group). Raises on EVERY rank if any rank
         fails: :class:`PurlinValueError` for bad or disagreeing arguments,
         :class:`PurlinUnavailableError` (naming the missing API or quoting PyTorch) otherwise.
+        Whatever it raises (also an exchange that fails because a peer died, or an interrupt), the
+        error's traceback holds no reference to the tensor or its rendezvous handle, so PyTorch
+        frees and unmaps them without waiting for the error to be dropped.
         """
         op = "TorchSymmWorkspace.create"
         group, gworld = setup_group(op, group)
         import torch
 
-        tensor = None
+        tensor = handle = None
         try:
-            check_create_args(op, group, layout_nbytes, device_index, rank, world)
-            symm_mem = _load_symm_mem()
-            if not torch.cuda.is_available():
-                raise _Fail("unavailable", f"{op}: memory='torch' needs a CUDA GPU (torch.cuda.is_available() is "
-                                           "False); use memory='host' with the CPU engine")
-            if device_index >= torch.cuda.device_count():
-                raise _Fail("unavailable", f"{op}: device_index={device_index} but torch sees "
-                                           f"{torch.cuda.device_count()} GPU(s)")
-            device = torch.device("cuda", device_index)
-            tensor = symm_mem.empty(layout_nbytes, dtype=torch.uint8, device=device)
-            tensor.zero_()
-            torch.cuda.synchronize(device)
-            mine = ("ok", {"nbytes": layout_nbytes})
-        except Exception as e:  # noqa: BLE001 - reported to every rank
-            mine = as_status(e)
-        check_same_nbytes(op, agree(op, group, gworld, mine))
-
-        handle = None
-        try:
-            _enable_for_group(symm_mem, group)
             try:
-                handle = symm_mem.rendezvous(tensor, group.group_name)
-            except Exception as e:  # noqa: BLE001 - quote PyTorch exactly
-                text = _first_lines(e)
-                hint = ("; several ranks share one GPU: use memory='ipc' there, or start the processes with "
-                        "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (PyTorch then sets up no multicast)"
-                        if "overlapping devices" in text else "")
-                raise _Fail("unavailable", f"{_MODULE}.rendezvous: {type(e).__name__}: {text}{hint}")
-            ptrs = list(getattr(handle, "buffer_ptrs", None) or [])
-            if len(ptrs) != gworld:
-                raise _Fail("unavailable", f"{_MODULE}.rendezvous returned {len(ptrs)} buffer pointers for a "
-                                           f"group of {gworld}")
-            mine = ("ok", None)
-        except Exception as e:  # noqa: BLE001
-            mine = as_status(e)
-        agree(op, group, gworld, mine)
+                check_create_args(op, group, layout_nbytes, device_index, rank, world)
+                symm_mem = _load_symm_mem()
+                if not torch.cuda.is_available():
+                    raise _Fail("unavailable", f"{op}: memory='torch' needs a CUDA GPU (torch.cuda.is_available() is "
+                                               "False); use memory='host' with the CPU engine")
+                if device_index >= torch.cuda.device_count():
+                    raise _Fail("unavailable", f"{op}: device_index={device_index} but torch sees "
+                                               f"{torch.cuda.device_count()} GPU(s)")
+                device = torch.device("cuda", device_index)
+                tensor = symm_mem.empty(layout_nbytes, dtype=torch.uint8, device=device)
+                tensor.zero_()
+                torch.cuda.synchronize(device)
+                mine = ("ok", {"nbytes": layout_nbytes})
+            except Exception as e:  # noqa: BLE001 - reported to every rank
+                mine = as_status(e)
+            check_same_nbytes(op, agree(op, group, gworld, mine))
+
+            try:
+                _enable_for_group(symm_mem, group)
+                try:
+                    handle = symm_mem.rendezvous(tensor, group.group_name)
+                except Exception as e:  # noqa: BLE001 - quote PyTorch exactly
+                    text = _first_lines(e)
+                    hint = ("; several ranks share one GPU: use memory='ipc' there, or start the processes with "
+                            "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 (PyTorch then sets up no multicast)"
+                            if "overlapping devices" in text else "")
+                    raise _Fail("unavailable", f"{_MODULE}.rendezvous: {type(e).__name__}: {text}{hint}")
+                ptrs = list(getattr(handle, "buffer_ptrs", None) or [])
+                if len(ptrs) != gworld:
+                    raise _Fail("unavailable", f"{_MODULE}.rendezvous returned {len(ptrs)} buffer pointers for a "
+                                               f"group of {gworld}")
+                mine = ("ok", None)
+            except Exception as e:  # noqa: BLE001
+                mine = as_status(e)
+            agree(op, group, gworld, mine)
+        except BaseException:  # a failed rank, a dead peer's exchange, an interrupt: hold nothing, then raise it
+            tensor = handle = None  # the error's traceback keeps this frame: it must not keep the memory
+            raise
         return cls(rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes, tensor=tensor,
                    handle=handle, layout=layout)
 

@@ -5,7 +5,9 @@ all-gathers the test scripts: an exchange raises ``RuntimeError`` (what torch.di
 a peer process died after set-up began) or ``KeyboardInterrupt``, or a local step fails, at each
 point of the set-up. The error must reach the caller unchanged (the same object) and, once it has:
 
-* ipc: every cudaMalloc is freed and every handle opened with cudaIpcOpenMemHandle is closed.
+* ipc: every cudaMalloc is freed and every handle opened with cudaIpcOpenMemHandle is closed;
+* torch: the symmetric tensor and its rendezvous handle are unreferenced (the traceback that the
+  caller holds does not keep them), so PyTorch frees and unmaps them.
 
 The set-up protocol over real processes is tests/memory/test_providers_cpu.py.
 """
@@ -14,11 +16,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import types
+import weakref
 
 import pytest
+import torch
 
 from _fakes import FakeCudart, FakeGroup
-from purlin_sglang.memory import ipc
+from purlin_sglang.errors import PurlinUnavailableError
+from purlin_sglang.memory import ipc, torch_symm
 
 NBYTES = 1 << 16
 WORLD, RANK = 3, 1  # a middle rank: peers on both sides
@@ -123,3 +130,71 @@ def test_ipc_interrupted_after_own_malloc(monkeypatch, call):
     fake = ScriptedCudart(RANK, name=call, n=1, exc=error)
     _raises_same(_ipc_create(monkeypatch, fake), error)
     _assert_ipc_released(fake)
+
+
+# -- torch ----------------------------------------------------------------------------------------
+class _Tensor:
+    def zero_(self):
+        return self
+
+
+class _Handle:
+    buffer_ptrs = [0x1000 * (r + 1) for r in range(WORLD)]
+
+
+def _torch_peers(n, mine, r):
+    return ("ok", {"nbytes": NBYTES} if n == 1 else None)
+
+
+def _torch_create(monkeypatch, made, *, peers=_torch_peers, fail_at=None, error=None):
+    """``made`` collects weak references to every tensor and handle the fake symmetric memory hands out."""
+
+    def empty(nbytes, dtype, device):
+        t = _Tensor()
+        made.append(weakref.ref(t))
+        return t
+
+    def rendezvous(tensor, group_name):
+        h = _Handle()
+        made.append(weakref.ref(h))
+        return h
+
+    symm_mem = types.ModuleType(torch_symm._MODULE)
+    symm_mem.empty, symm_mem.rendezvous = empty, rendezvous
+    monkeypatch.setitem(sys.modules, torch_symm._MODULE, symm_mem)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert torch.cuda.is_available() and torch_symm._load_symm_mem() is symm_mem
+    group = FakeGroup(RANK, WORLD, peers, fail_at=fail_at, error=error).install(monkeypatch)
+    return lambda: torch_symm.TorchSymmWorkspace.create(NBYTES, group, 0, RANK, WORLD)
+
+
+def test_torch_success_keeps_the_tensor_and_handle(monkeypatch):
+    made = []
+    ws = _torch_create(monkeypatch, made)()
+    assert [type(m()) for m in made] == [_Tensor, _Handle] and ws.tensor is made[0]()
+    ws.close()
+    gc.collect()
+    assert [m() for m in made] == [None, None]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fail_at,n_made", [(1, 1), (2, 2)], ids=["after_empty", "after_rendezvous"])
+def test_torch_exchange_fails(monkeypatch, fail_at, n_made, kind):
+    error, made = kind("[gloo] Connection closed by peer"), []
+    info = _raises_same(_torch_create(monkeypatch, made, fail_at=fail_at, error=error), error)
+    assert len(made) == n_made and info.traceback
+    assert [m() for m in made] == [None] * n_made, "the traceback keeps the symmetric allocation alive"
+
+
+def test_torch_peer_fails_at_rendezvous(monkeypatch):
+    def peer_fails(n, mine, r):
+        return _torch_peers(n, mine, r) if n == 1 else ("error", "unavailable", "gone")
+
+    made = []
+    with pytest.raises(PurlinUnavailableError, match=r"ranks \[0, 2\]: gone") as info:
+        _torch_create(monkeypatch, made, peers=peer_fails)()
+    gc.collect()
+    assert len(made) == 2 and info.traceback
+    assert [m() for m in made] == [None, None], "the traceback keeps the symmetric allocation alive"
