@@ -397,16 +397,19 @@ class NvshmemWorkspace(WorkspaceLifetime):
                 mine = ("ok", True)
             except Exception as e:  # noqa: BLE001
                 mine = (*as_status(e), allocated)
-            statuses = gather_status(group, gworld, mine)
+            statuses = None
             try:
+                statuses = gather_status(group, gworld, mine)
                 raise_failures(op, statuses)
-            except PurlinError:
-                if all(s[-1] for s in statuses):  # the block exists everywhere: free it with the next set-up
-                    session.retired[block_id] = session.live.pop(block_id)
+            except BaseException as e:
+                if statuses is not None and all(s[-1] for s in statuses):  # the block exists everywhere:
+                    session.retired[block_id] = session.live.pop(block_id)  # freed with the next set-up
                 else:  # its collective free cannot be matched on every rank any more
                     session.live.pop(block_id, None)
                     _BROKEN = (f"an nvshmem_malloc failed on some rank of this group earlier ({op}); the symmetric "
-                               "heap is no longer the same on every PE: restart the processes")
+                               "heap is no longer the same on every PE" if statuses is not None else
+                               f"the exchange after an nvshmem_malloc failed earlier ({op}: {as_status(e)[2]}); "
+                               "whether every PE holds the block is unknown") + ": restart the processes"
                 raise
             return cls(rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes, ptrs=ptrs,
                        session=session, block_id=block_id, layout=layout)
@@ -443,9 +446,9 @@ def _init_session(op: str, shim: Any, group: Any, gworld: int, rank: int, device
         mine = as_status(e)
     try:
         agree(op, group, gworld, mine)
-    except PurlinError as e:  # NVSHMEM is half set up (here or on a peer): nothing collective can follow
-        _BROKEN = (f"NVSHMEM failed to initialise on some rank of this group earlier ({e}); it cannot be "
-                   "initialised again in this process: restart the processes")
+    except BaseException as e:  # NVSHMEM is half set up (here or on a peer): nothing collective can follow
+        _BROKEN = (f"NVSHMEM failed to initialise on some rank of this group earlier ({as_status(e)[2]}); it "
+                   "cannot be initialised again in this process: restart the processes")
         raise
     return _Session(peers, device_index)
 

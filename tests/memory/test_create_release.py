@@ -7,15 +7,18 @@ point of the set-up. The error must reach the caller unchanged (the same object)
 
 * ipc: every cudaMalloc is freed and every handle opened with cudaIpcOpenMemHandle is closed;
 * torch: the symmetric tensor and its rendezvous handle are unreferenced (the traceback that the
-  caller holds does not keep them), so PyTorch frees and unmaps them.
+  caller holds does not keep them), so PyTorch frees and unmaps them;
+* nvshmem: the half-made block is not kept as a live workspace, and the process's NVSHMEM refuses
+  further collective use (its heap may differ between PEs).
 
-The set-up protocol over real processes is tests/memory/test_providers_cpu.py.
+The set-up protocol over real processes is tests/memory/test_providers_cpu.py and test_nvshmem_cpu.py.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 import types
 import weakref
@@ -23,9 +26,9 @@ import weakref
 import pytest
 import torch
 
-from _fakes import FakeCudart, FakeGroup
+from _fakes import FakeCudart, FakeGroup, FakeShim
 from purlin_sglang.errors import PurlinUnavailableError
-from purlin_sglang.memory import ipc, torch_symm
+from purlin_sglang.memory import ipc, nvshmem, torch_symm
 
 NBYTES = 1 << 16
 WORLD, RANK = 3, 1  # a middle rank: peers on both sides
@@ -198,3 +201,45 @@ def test_torch_peer_fails_at_rendezvous(monkeypatch):
     gc.collect()
     assert len(made) == 2 and info.traceback
     assert [m() for m in made] == [None, None], "the traceback keeps the symmetric allocation alive"
+
+
+# -- nvshmem --------------------------------------------------------------------------------------
+def _nvshmem_peers(n, mine, r):
+    """Exchanges of a fresh NVSHMEM set-up: 1 checks, 2 rank 0's unique id, 3 init, 4 malloc."""
+    if n == 1:
+        return ("ok", {"nbytes": NBYTES, "ident": (socket.gethostname(), os.getpid() + 1 + r), "peers": None,
+                       "retired": []})
+    if n == 2:
+        return ("ok", b"U" + bytes(127) if r == 0 else None)
+    return ("ok", True) if n == 4 else ("ok", None)
+
+
+def _nvshmem_create(monkeypatch, fake, *, fail_at=None, error=None):
+    for name, value in (("_SESSION", None), ("_FINALIZED", False), ("_BROKEN", ""), ("_SHIM", None)):
+        monkeypatch.setattr(nvshmem, name, value)
+    monkeypatch.setattr(nvshmem, "_load_shim", lambda: fake)
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")  # create sets it; the test leaves the environment as it was
+    group = FakeGroup(RANK, WORLD, _nvshmem_peers, fail_at=fail_at, error=error).install(monkeypatch)
+    return lambda: nvshmem.NvshmemWorkspace.create(NBYTES, group, 0, RANK, WORLD)
+
+
+def test_nvshmem_success_keeps_the_block(monkeypatch):
+    fake = FakeShim(RANK)
+    ws = _nvshmem_create(monkeypatch, fake)()
+    assert list(nvshmem._SESSION.live.values()) == [ws.base_ptrs[RANK]] and nvshmem._BROKEN == ""
+    ws.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fail_at", [3, 4], ids=["after_init", "after_malloc"])
+def test_nvshmem_exchange_fails_after_a_collective_call(monkeypatch, fail_at, kind):
+    error, fake = kind("[gloo] Connection closed by peer"), FakeShim(RANK)
+    create = _nvshmem_create(monkeypatch, fake, fail_at=fail_at, error=error)
+    _raises_same(create, error)
+    held = nvshmem._SESSION
+    assert held is None or not held.live, "a half-made block is kept as a live workspace"
+    assert nvshmem._BROKEN, "NVSHMEM is left open to collective calls that the peers cannot match"
+    n = len(fake.calls)
+    with pytest.raises(PurlinUnavailableError, match="restart the processes"):
+        create()
+    assert [c[0] for c in fake.calls[n:] if c[0] in ("init", "malloc", "free")] == []
