@@ -145,8 +145,8 @@ PURLIN_API int purlin_snac_execute(const PurlinSnacParams* params, void* stream)
 PURLIN_API int purlin_snac_occupancy(int device, int* blocks_per_sm, int* sm_count);
 
 // ---- MoE dispatch / combine (ABI 6) ----------------------------------------------------------------------------
-// One launch per call and rank (native/moe/moe_kernel.cuh; plans: purlin_sglang/snac/moe.py). The
-// struct's offsets come from the host's MoELayout (purlin_sglang/memory/moe_layout.py).
+// One launch per call and rank (native/moe/moe_kernel.cuh; plans: purlin_sglang/moe/plan.py). The
+// struct's offsets come from the host's MoELayout (purlin_sglang/moe/region.py).
 #define PURLIN_MOE_MAX_RANKS 64
 #define PURLIN_MOE_MAX_EXPERTS 4096  // count matrix [world][local] kept in shared memory
 #define PURLIN_MOE_ERROR_WORDS 16
