@@ -350,7 +350,8 @@ class Communicator:
         yield self
 
     def close(self) -> None:
-        """Free this rank's resources. Not collective; safe to call twice."""
+        """Free this rank's resources. Not collective; safe to call twice. Every part is released even
+        when one fails to (a CUDA call of a broken process, say); then the first failure is raised."""
         if self._closed:
             return
         self._closed = True
@@ -359,14 +360,24 @@ class Communicator:
         if self.device.type == "cuda" and self.group is not None:
             with contextlib.suppress(Exception):  # my kernels end (at worst by timeout) before my memory goes
                 torch.cuda.synchronize(self.device)
+        failures: list[Exception] = []
+
+        def release(fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - raised below, after every part is released
+                failures.append(e)
+
         if getattr(self, "_moe", None) is not None:
-            self._moe.close()
+            release(self._moe.close)
             self._moe = None
-        self._engine.close()
+        release(self._engine.close)
         if self.group is not None:  # a process-shared mapping is this rank's own
-            self._ws.close()
+            release(self._ws.close)
         self._ws = None
         self._path.clear()
+        if failures:
+            raise failures[0]
 
     def __enter__(self) -> "Communicator":
         return self

@@ -227,3 +227,24 @@ def test_staging_too_small_for_the_plan_is_a_plan_error_and_harmless():
 
     cfg = {"staging_bytes": 4096, "timeout_s": 5, "tuning": {"slots": 64, "algorithm": "twoshot"}}
     assert ps.run_virtual(8, fn, config=cfg) == [list(range(8))] * 8
+
+
+def test_close_releases_every_part_when_one_fails_and_raises_that_failure():
+    released = []
+
+    class _FailingMoE:
+        def close(self):
+            released.append("moe")
+            raise RuntimeError("cudaFree: an illegal memory access was encountered")
+
+    def fn(comm):
+        engine_close = comm._engine.close
+        comm._moe = _FailingMoE()
+        comm._engine.close = lambda: (released.append("engine"), engine_close())
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            comm.close()
+        assert comm.closed and released == ["moe", "engine"]  # the engine went too
+        comm.close()  # a second close: nothing left, nothing raised
+        return True
+
+    assert ps.run_virtual(1, fn, device="cpu") == [True]
