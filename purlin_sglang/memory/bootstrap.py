@@ -105,7 +105,7 @@ def report_started(group: Any, world: int, engine: str, start: Callable[[], None
     If any rank failed, ``cleanup()`` runs on every rank, then this rank's own error is re-raised
     (a rank that did start raises a PurlinUnavailableError naming the ranks that did not). If the
     exchange itself fails (a rank died or never came), ``cleanup()`` runs and this rank's own error,
-    else the exchange's, is raised.
+    else the exchange's, is raised. An interrupt in ``start()`` runs ``cleanup()`` and is re-raised.
     """
     error = None
     try:
@@ -113,6 +113,9 @@ def report_started(group: Any, world: int, engine: str, start: Callable[[], None
         mine = ("ok", None)
     except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
         error, mine = e, ("error", "unavailable", f"{type(e).__name__}: {e}")
+    except BaseException:  # an interrupt: this rank stops here (its peers' exchange fails: their cleanup)
+        cleanup()
+        raise
     try:
         statuses = setup_phase.gather_status(group, world, mine, OP)
     except BaseException as exchange:

@@ -190,3 +190,21 @@ def test_remove_stale_takes_only_files_of_dead_creators(tmp_path):
         (tmp_path / n).write_bytes(b"x")
     assert host.remove_stale(str(tmp_path)) == [names[0]]
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+def test_an_interrupt_while_the_engine_starts_runs_the_cleanup_and_is_raised():
+    from purlin_sglang.memory import bootstrap
+
+    cleaned = []
+
+    def start():
+        raise KeyboardInterrupt
+
+    def exchange(*a, **k):  # never reached: the interrupted rank does not report
+        raise AssertionError("the exchange ran")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bootstrap.setup_phase, "gather_status", exchange)
+        with pytest.raises(KeyboardInterrupt):
+            bootstrap.report_started(None, 2, "cpu", start, lambda: cleaned.append(True))
+    assert cleaned == [True]
