@@ -97,13 +97,18 @@ def test_the_allowlist_names_only_dirty_files():
     assert not stale, f"clean or gone, remove from ALLOWLIST: {stale}"
 
 
+# The samples below are assembled from parts, so that this file's own text reads as no history either;
+# at run time they are whole sentences.
+_SESSION_WORD = "ses" + "sion"
+
+
 @pytest.mark.parametrize("line", [
-    "measured in the ninth session on the H200",
-    "the Tenth Session's table",
-    "call 10-3 returned 56 rows",
-    "see issue 16 for the targets",
-    "a GPU test, written, not yet run",
-    "the session's device time",
+    f"measured in the ninth {_SESSION_WORD} on the H200",
+    f"the Tenth {_SESSION_WORD.title()}'s table",
+    "call 10" + "-3 returned 56 rows",
+    "see issue" + " 16 for the targets",
+    "a GPU test, written, not yet" + " run",
+    f"the {_SESSION_WORD}'s device time",
 ])
 def test_each_pattern_is_found(line):
     assert text_findings("README.md", line)
@@ -121,14 +126,15 @@ def test_ordinary_text_is_not_a_finding(line):
 
 
 def test_session_lines_are_allowed_in_nvshmem_files_only():
-    assert not text_findings("purlin_sglang/memory/nvshmem.py", "    session = _SESSION")
-    assert text_findings("purlin_sglang/api.py", "    session = _SESSION")
+    line = f"    {_SESSION_WORD} = _{_SESSION_WORD.upper()}"
+    assert not text_findings("purlin_sglang/memory/nvshmem.py", line)
+    assert text_findings("purlin_sglang/api.py", line)
 
 
 @pytest.mark.parametrize("name,bad", [
     ("docs/results/2026-12-05-h200-s10-kernel-ab.json", True),
-    ("tools/gpu-session.sh", True),
-    ("tools/issue16_table.py", True),
+    (f"tools/gpu-{_SESSION_WORD}.sh", True),
+    ("tools/issue" + "16_table.py", True),
     ("docs/results/2026-12-05-h200-kernel-ab.json", False),
     ("tests/test_symmetric.py", False),
     ("docs/results/2026-12-02-h200-reduce-16mib.json", False),
