@@ -378,18 +378,14 @@ ab_graph() { ab_jsonl graph benchmarks/bench_graph_ab.py "$@"; }
 ab_eager() { ab_jsonl eager benchmarks/bench_eager_host.py "$@"; }
 ab_engine() { ab_json engine benchmarks/bench_cuda_engine.py "$@"; }
 ab_parts() { ab_json parts benchmarks/bench_staged_parts.py "$@"; }
-ab_collectives() {
-  local dir=$1 lab=$2 r=$3
-  shift 3
-  run "$dir/collectives-$lab-$r.log" "$dir/collectives-$lab-$r.log" env "$(site "$lab")" python3 -P -m purlin_sglang \
-    bench collectives "$@" --out "$dir/collectives-$lab-$r"
+ab_bench() {  # ab_bench KIND DIR LABEL ROUND [ARGS]: each build's own `purlin-sglang bench KIND`
+  local kind=$1 dir=$2 lab=$3 r=$4
+  shift 4
+  run "$dir/$kind-$lab-$r.log" "$dir/$kind-$lab-$r.log" env "$(site "$lab")" python3 -P -m purlin_sglang \
+    bench "$kind" "$@" --out "$dir/$kind-$lab-$r"
 }
-ab_moe() {
-  local dir=$1 lab=$2 r=$3
-  shift 3
-  run "$dir/moe-$lab-$r.log" "$dir/moe-$lab-$r.log" env "$(site "$lab")" python3 -P -m purlin_sglang \
-    bench moe "$@" --out "$dir/moe-$lab-$r"
-}
+ab_collectives() { ab_bench collectives "$@"; }
+ab_moe() { ab_bench moe "$@"; }
 ab_kernel() {
   ab_collectives "$1" "$2" "$3" --world 8 --sizes 1K,8K,64K,512K --modes graph --baselines none "${@:4}"
   local rc=$?
