@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 11  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
+ABI_VERSION = 12  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
 
 # ---- native.h: limits, the dtype and reduce-op tables -------------------------------------------------------
 SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS

@@ -194,7 +194,7 @@ typedef struct PurlinMoeParams {
                                        // done words signal at GPU scope; 0: at system scope (ABI 11)
   long long* trace;                    // or null: [2][PURLIN_MOE_TRACE_WORDS] globaltimer stamps (ns) of the
                                        // last dispatch (row 0) and combine (row 1), block 0 at the end of
-                                       // each phase (moe_kernel.cuh), device-writable (ABI 11)
+                                       // each phase (moe_kernel.cuh), device-writable (ABI 12)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
