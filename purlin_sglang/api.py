@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -125,6 +125,15 @@ class Communicator:
     def closed(self) -> bool:
         """True once :meth:`close` ran (or a failure released this rank's memory): every call raises."""
         return self._closed
+
+    def moe_trace(self) -> Optional[dict[str, dict[str, int]]]:
+        """With config ``moe.trace`` on the CUDA engine: when this rank's last ``moe_dispatch`` and
+        ``moe_combine`` kernels ended each phase, ``{"dispatch": {"start": ns, "put": ns, ...}, "combine":
+        {...}}`` (the GPU's globaltimer, one clock for every virtual rank of a GPU; block 0 of the grid;
+        phases in ``abi.MOE_TRACE_PHASES``). Waits for this rank's MoE calls. None otherwise."""
+        if self._closed:
+            raise engines.closed_error("moe_trace", self._broken_reason)
+        return self._moe.trace() if self._moe is not None else None
 
     @property
     def moe_hbm_bytes(self) -> int:

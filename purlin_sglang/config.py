@@ -53,12 +53,15 @@ class MoESettings(ConfigModel):
       ``auto`` is GPU scope where every rank's region lies on one GPU (virtual ranks) and system
       scope otherwise; ``system`` always takes system scope, as ranks on several GPUs need (to
       measure what that scope costs on one GPU).
+    * ``trace`` (false): the CUDA kernels stamp the end of each of their phases (the GPU's clock, ns)
+      for ``Communicator.moe_trace()``: a diagnostic (one store per phase and call).
     """
 
     dispatcher: Literal["none", "purlin"] = "none"
     max_tokens_per_rank: int = Field(256, ge=1, le=1 << 20)
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
     signal_scope: Literal["auto", "system"] = "auto"
+    trace: bool = False
 
 
 class PurlinConfig(ConfigModel):

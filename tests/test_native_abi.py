@@ -243,10 +243,14 @@ def test_cuda_moe_passes_its_device():
     m.ctx = types.SimpleNamespace(config=types.SimpleNamespace(timeout_s=1.0))
     m.region = types.SimpleNamespace(base_ptrs=[4096, 8192])
     m._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64)
+    m._trace = None
     for one_device in (True, False):  # virtual ranks: every region on this GPU, signals at GPU scope
         m.one_device = one_device
         p = m._params(MoELayout(2, 8, 2, 64, 64))
         assert p.device == 5 and m.device_index == 5 and p.one_device == int(one_device)
+        assert p.trace is None  # moe.trace off: the kernels stamp nothing
+    m._trace = torch.zeros(2 * native.MOE_TRACE_WORDS, dtype=torch.int64)
+    assert m._params(MoELayout(2, 8, 2, 64, 64)).trace == m._trace.data_ptr()
 
 
 class _AtomLib:

@@ -106,6 +106,16 @@ __device__ __forceinline__ void sig_fence(const PurlinMoeParams& p) {
   }
 }
 
+// Phase stamps (p.trace, when given): block 0's thread 0 stores the globaltimer at the end of each phase,
+// in word `phase` of row `kind` (0 dispatch: start, put, notify, wait, expand, pad; 1 combine: start,
+// put_back, notify, wait, reduce; abi.py MOE_TRACE_PHASES). The globaltimer is one clock for every rank of
+// a GPU, so the rows of virtual ranks compare: launch skew, who waited for whom.
+__device__ __forceinline__ void stamp(const PurlinMoeParams& p, int kind, int phase) {
+  if (p.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    st_volatile(p.trace + kind * PURLIN_MOE_TRACE_WORDS + phase, static_cast<long long>(globaltimer()));
+  }
+}
+
 // Wait until (*w without kRejectBit) >= target (relaxed polls, then one acquire); false on timeout or a
 // fatal error.
 __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, long long target, int kind,
@@ -498,6 +508,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   const long long e = s.e;
   const int par = int(e & 1);
   const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
+  stamp(p, 0, 0);
   if (s.fail) {
     finish(st + kDispExit, st + kDispEpoch, e);
     return;
@@ -506,6 +517,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
   route_counts(p, s, t0, E);
   put_rows(p, s, par, t0, t1, E);
+  stamp(p, 0, 1);
   // notify: my count word to every rank, every call
   if (arrive_last(p, st + kDispArrive, e, &s.flag)) {
     for (long long i = tid; i < W * (L + 2); i += blockDim.x) {
@@ -522,9 +534,11 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     }
   }
   __syncthreads();  // cnt is read above before it is overwritten below
+  stamp(p, 0, 2);
   // wait for every producer's count word of this epoch
   if (tid < W && !wait_ge(p, count_word(p, p.rank, par, tid), e, 0, tid)) s.fail = 1;
   __syncthreads();
+  stamp(p, 0, 3);
   if (!s.fail) {
     if (tid < W) {
       const long long* cw = count_word(p, p.rank, par, tid);
@@ -570,6 +584,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
       while (s.tstart[q + 1] <= g) ++q;
       expand_token(p, s, recv + (q * p.max_tokens + (g - s.tstart[q])) * p.slot_bytes, q, lane, warp);
     }
+    if (p.trace != nullptr) __syncthreads();  // the stamp: every warp of block 0 done
+    stamp(p, 0, 4);
     // padding rows: expert -1
     const long long rows = L * W * cap;
     for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
@@ -582,6 +598,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
       }
     }
   }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 0, 5);
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 
@@ -677,17 +695,20 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   const long long e = s_e;
   const int par = int(e & 1);
   const long long W = p.world;
+  stamp(p, 1, 0);
   if (s_fail) {
     finish(st + kCombExit, st + kCombEpoch, e);
     return;
   }
   if (tid == 0) s_rej = 0;
   if (!p.reject) put_back(p, par, s_rows, s_wcnt);  // a rank that rejected its arguments puts nothing back
+  stamp(p, 1, 1);
   if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {
     sig_fence(p);
     sig_release(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
                 p.reject ? (e | kRejectBit) : e);
   }
+  stamp(p, 1, 2);
   if (tid < W) {
     const long long* done = reinterpret_cast<const long long*>(own(p) + p.done_off + tid * 8);
     if (!wait_ge(p, done, e, 1, tid)) {
@@ -698,6 +719,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
     }
   }
   __syncthreads();
+  stamp(p, 1, 3);
   if (!s_fail && !s_rej && !p.reject) {
     const char* ret = own(p) + p.ret_off + par * p.ret_parity_bytes;
     switch (p.dtype) {
@@ -706,6 +728,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
       default: reduce_rows<float>(p, ret); break;
     }
   }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 1, 4);
   finish(st + kCombExit, st + kCombEpoch, e);
 }
 

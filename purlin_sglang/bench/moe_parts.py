@@ -14,12 +14,18 @@ With ``--profile`` the run is also recorded with the torch profiler and the tabl
 (total time, calls, time per call) is written beside the JSON: the kernels of every part and rank
 together, so per-call figures are what to read. Usage (GPU machine)::
 
-    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile]
+    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile] [--phases N]
+
+With ``--phases N`` the communicators run with ``moe.trace`` and N more pairs are replayed one at a
+time: the kernels stamp the end of each phase (the GPU's clock), and the table gives each phase's
+time per rank (``phase_table``): launch skew, routing and puts, the count words, the wait for the
+slowest peer, expand, padding; put back, done words, wait, reduce.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -63,6 +69,8 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
                    seed=0, timeout_s=60.0)
 
+    one = dataclasses.replace(opts, iters=1, warmup=0, graph_calls=1)
+
     def fn(comm):
         dev = comm.device
         stream = rank_stream(comm)
@@ -70,20 +78,52 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         i = inputs[comm.rank]
         inp = type(i)(i.x.to(dev), i.ids.to(dev), i.w.to(dev))
         out = {}
-        for name, step in _parts(comm, inp, experts, capacity, wire).items():
+        parts = _parts(comm, inp, experts, capacity, wire)
+        for name, step in parts.items():
             out[name] = graph_samples(comm, step, stream, side, barrier, opts)
-        return out
+        stamps = []
+        for _ in range(args.phases):  # one pair a graph, its stamps read after the replay
+            graph_samples(comm, parts["pair"], stream, side, barrier, one)
+            stamps.append(comm.moe_trace())
+        return out, stamps
 
     rows = experts * capacity  # expert rows per rank: E/W local experts x W sources x capacity
     reserve = int(rows * args.hidden * 2 * (2 * args.calls + 4) + (512 << 20))
-    per_rank = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0,
-                                                             "moe": {"max_tokens_per_rank": max(tokens, 1)}},
-                           reserve_bytes=reserve)
+    moe = {"max_tokens_per_rank": max(tokens, 1), "trace": args.phases > 0}
+    ranks = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0, "moe": moe}, reserve_bytes=reserve)
+    per_rank = [r[0] for r in ranks]
     res = {"tokens": tokens, "dtype": dtype, "capacity": capacity, "world": world}
     for name in per_rank[0]:
         worst = [max(t) for t in zip(*(r[name] for r in per_rank))]
         res[name + "_us"] = percentile(worst, 50) * 1e6
+    if args.phases:
+        res["phases"] = phase_table([r[1] for r in ranks])
     return res
+
+
+def phase_table(stamps: list[list[dict]]) -> dict:
+    """The kernels' phase stamps of one pair per sample (``stamps[rank][sample]``, Communicator.moe_trace)
+    as us: for each kind and phase, the time since the rank's previous phase ended; a dispatch's
+    ``start`` counts from the earliest rank's dispatch start (the launch skew), a combine's ``start``
+    from the latest rank's dispatch end. Median and largest over ranks, each the median over samples."""
+    acc: dict = {}
+    for s in range(len(stamps[0])):
+        sample = [r[s] for r in stamps]
+        origin = {"dispatch": min(x["dispatch"]["start"] for x in sample),
+                  "combine": max(max(x["dispatch"].values()) for x in sample)}
+        for kind in ("dispatch", "combine"):
+            per_phase: dict[str, list[float]] = {}
+            for x in sample:
+                prev = origin[kind]
+                for name, t in x[kind].items():
+                    per_phase.setdefault(name, []).append((t - prev) / 1e3)
+                    prev = t
+            for name, v in per_phase.items():
+                slot = acc.setdefault(kind, {}).setdefault(name, {"median": [], "max": []})
+                slot["median"].append(percentile(v, 50))
+                slot["max"].append(max(v))
+    return {kind: {name: {k: round(percentile(v, 50), 2) for k, v in d.items()} for name, d in phases.items()}
+            for kind, phases in acc.items()}
 
 
 def main(argv=None) -> int:
@@ -98,6 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="also write the torch profiler's kernel table")
+    p.add_argument("--phases", type=int, default=0, metavar="N",
+                   help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
     p.add_argument("--out", default="bench-results/moe-parts")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -127,6 +169,10 @@ def main(argv=None) -> int:
     print("tokens dtype cap " + " ".join(keys))
     for r in results:
         print(f"{r['tokens']} {r['dtype']} {r['capacity']} " + " ".join(f"{r.get(k, float('nan')):.1f}" for k in keys))
+    for r in results:
+        for kind, phases in r.get("phases", {}).items():
+            print(f"{r['tokens']} {r['dtype']} {kind} phases, us (median / max over ranks): " +
+                  ", ".join(f"{n} {v['median']:.1f} / {v['max']:.1f}" for n, v in phases.items()))
     return 0
 
 

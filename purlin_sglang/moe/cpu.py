@@ -162,6 +162,10 @@ class CpuMoE:
     def synchronize(self) -> None:
         """A no-op: CPU MoE calls have finished when they return."""
 
+    def trace(self) -> None:
+        """No kernel phases to stamp on the CPU."""
+        return None
+
     def close(self) -> None:
         self._plans.clear()
         self.ctx = self.exchange = None

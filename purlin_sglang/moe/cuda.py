@@ -98,6 +98,16 @@ class _State:
         self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
 
 
+
+def trace_stamps(words) -> dict[str, dict[str, int]]:
+    """The kernels' trace words (``2 * MOE_TRACE_WORDS``, rows dispatch and combine) by kind and phase
+    name; a phase not stamped yet (0) is left out."""
+    out = {}
+    for row, (kind, phases) in enumerate(native.MOE_TRACE_PHASES.items()):
+        base = row * native.MOE_TRACE_WORDS
+        out[kind] = {name: int(words[base + i]) for i, name in enumerate(phases) if words[base + i]}
+    return out
+
 def signals_at_gpu_scope(ctx: MoEContext) -> bool:
     """Whether the kernels' count and done words may signal at GPU scope: every rank's region lies on
     this GPU (virtual ranks) and ``moe.signal_scope`` is ``auto``."""
@@ -127,6 +137,9 @@ class CudaMoE:
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
         self._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
         self._err = self._host_error.numpy()
+        # the kernels' phase stamps (moe.trace): pinned, written by the device, read after a sync
+        self._trace = (torch.zeros(2 * native.MOE_TRACE_WORDS, dtype=torch.int64, pin_memory=True)
+                       if self.settings.trace else None)
         # Pinned staging of the eager count exchange (header and count matrix), moved by one-block copy
         # kernels on the caller's stream: no pageable copy and no copy engine on the call path (a
         # pageable copy there can keep a loopback rank's grid from becoming resident while its peers'
@@ -183,6 +196,7 @@ class CudaMoE:
         p.host_error = self._host_error.data_ptr()
         p.device = self.device_index  # made current by the library before the launch
         p.one_device = int(self.one_device)
+        p.trace = self._trace.data_ptr() if self._trace is not None else None
         return p
 
     def _launch(self, fn, p, op: str) -> None:
@@ -243,6 +257,15 @@ class CudaMoE:
         if self._stream is not None:
             self._stream.synchronize()
         self.check()
+
+    def trace(self) -> dict[str, dict[str, int]] | None:
+        """The phase stamps of this rank's last dispatch and combine (after a synchronize), or None
+        without ``moe.trace``."""
+        if self._trace is None:
+            return None
+        if self._stream is not None:
+            self._stream.synchronize()
+        return trace_stamps(self._trace.tolist())
 
     # -- calls -----------------------------------------------------------------------------------------
     def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> int:

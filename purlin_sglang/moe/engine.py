@@ -100,6 +100,12 @@ class MoEEngine(Protocol):
         """Wait until this rank's MoE calls are done; raise an error one of them recorded."""
         ...
 
+    def trace(self) -> Optional[dict[str, dict[str, int]]]:
+        """The phase stamps (ns, the GPU's clock) of this rank's last dispatch and combine, by kind and
+        phase (``abi.MOE_TRACE_PHASES``), after waiting for them; None where the engine has no kernel
+        phases or ``moe.trace`` is off."""
+        ...
+
     def close(self) -> None:
         """Drop this part's region and references. Local; safe twice."""
         ...

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import purlin_sglang as ps
+from purlin_sglang import native
 from _kernel_model import FakeMoELib
 from _moe_cases import FP8, check_results, expert_fn, make_case
 from purlin_sglang.moe import cuda as cuda_moe
@@ -53,7 +54,7 @@ def _moe(ctx, lib):
     """A CudaMoE as its __init__ makes it, with CPU stand-ins for the pinned buffers."""
     m = CudaMoE.__new__(CudaMoE)
     m.ctx, m.lib, m.device, m.world, m.rank = ctx, lib, ctx.device, ctx.world, ctx.rank
-    m.settings, m.blocks, m.one_device = ctx.config.moe, 16, True
+    m.settings, m.blocks, m.one_device, m._trace = ctx.config.moe, 16, True, None
     m.layout = m.region = m._own_region = None
     m._host_error = torch.zeros(16, dtype=torch.int64)
     m._err = m._host_error.numpy()
@@ -235,3 +236,28 @@ def test_signals_take_gpu_scope_only_for_virtual_ranks_under_auto(group, scope, 
     ctx = MoEContext(rank=0, world=2, device=torch.device("cpu"), config=cfg, owner=0, all_gather=None,
                      all_to_all_v=None, mark_broken=None, group=group)
     assert cuda_moe.signals_at_gpu_scope(ctx) is gpu
+
+
+def test_trace_words_decode_by_kind_and_phase():
+    words = [0] * (2 * native.MOE_TRACE_WORDS)
+    phases = native.MOE_TRACE_PHASES
+    for i in range(len(phases["dispatch"])):
+        words[i] = 1000 + i
+    words[native.MOE_TRACE_WORDS] = 5000  # the combine's start only: a combine not yet past it
+    got = cuda_moe.trace_stamps(words)
+    assert got["dispatch"] == {name: 1000 + i for i, name in enumerate(phases["dispatch"])}
+    assert got["combine"] == {"start": 5000}
+    assert len(phases["dispatch"]) <= native.MOE_TRACE_WORDS and len(phases["combine"]) <= native.MOE_TRACE_WORDS
+
+
+def test_moe_trace_is_none_on_the_cpu_engine_and_after_close():
+    def fn(comm):
+        d = comm.moe_dispatch(torch.randn(4, 16), torch.randint(0, 8, (4, 2)), torch.rand(4, 2), num_experts=8)
+        comm.moe_combine(d.x, d)
+        return comm.moe_trace()
+
+    assert ps.run_virtual(2, fn, device="cpu", config={"moe": {"trace": True}}) == [None, None]
+    comm = ps.run_virtual(1, lambda c: c, device="cpu")[0]
+    comm.close()
+    with pytest.raises(ps.PurlinError, match="moe_trace"):
+        comm.moe_trace()

@@ -150,6 +150,7 @@ PURLIN_API int purlin_snac_occupancy(int device, int* blocks_per_sm, int* sm_cou
 #define PURLIN_MOE_MAX_RANKS 64
 #define PURLIN_MOE_MAX_EXPERTS 4096  // count matrix [world][local] kept in shared memory
 #define PURLIN_MOE_ERROR_WORDS 16
+#define PURLIN_MOE_TRACE_WORDS 8  // phase stamps per kind (dispatch, combine) in PurlinMoeParams.trace
 
 typedef struct PurlinMoeParams {
   void* bases[PURLIN_MOE_MAX_RANKS];  // every rank's MoE region, as mapped here
@@ -191,6 +192,9 @@ typedef struct PurlinMoeParams {
   long long device;                    // the CUDA device of every pointer and of the stream (ABI 7)
   long long one_device;                // 1: every rank's region lies on this GPU (virtual ranks): count and
                                        // done words signal at GPU scope; 0: at system scope (ABI 11)
+  long long* trace;                    // or null: [2][PURLIN_MOE_TRACE_WORDS] globaltimer stamps (ns) of the
+                                       // last dispatch (row 0) and combine (row 1), block 0 at the end of
+                                       // each phase (moe_kernel.cuh), device-writable (ABI 12)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
