@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -65,7 +67,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     inputs = [make_inputs(tokens, args.hidden, args.topk, experts, 1000 * args.seed + r, torch.device("cpu"))
               for r in range(world)]
     capacity = max(16, -(-max_pair_load([i.ids for i in inputs], experts) // 16) * 16)
-    barrier = threading.Barrier(world)
+    barrier = threading.Barrier(world, timeout=150.0)  # a rank that raised must not leave its peers waiting
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
                    seed=0, timeout_s=60.0)
 
@@ -80,8 +82,12 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         out = {}
         parts = _parts(comm, inp, experts, capacity, wire)
         for name, step in parts.items():
+            if comm.rank == 0:
+                sys.stderr.write(f"  {name}\n")
             out[name] = graph_samples(comm, step, stream, side, barrier, opts)
         stamps = []
+        if comm.rank == 0 and args.phases:
+            sys.stderr.write(f"  {args.phases} traced pairs\n")
         for _ in range(args.phases):  # one pair a graph, its stamps read after the replay
             graph_samples(comm, parts["pair"], stream, side, barrier, one)
             stamps.append(comm.moe_trace())
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
     p.add_argument("--out", default="bench-results/moe-parts")
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped: say where every rank was
     if not torch.cuda.is_available():
         print("purlin-sglang: error: bench moe_parts needs a CUDA GPU", file=sys.stderr)
         return 2
