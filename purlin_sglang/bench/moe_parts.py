@@ -14,7 +14,7 @@ With ``--profile`` the run is also recorded with the torch profiler and the tabl
 (total time, calls, time per call) is written beside the JSON: the kernels of every part and rank
 together, so per-call figures are what to read. Usage (GPU machine)::
 
-    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile] [--phases N]
+    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile] [--phases N] [--verbose]
 
 With ``--phases N`` the communicators run with ``moe.trace`` and N more pairs are replayed one at a
 time: the kernels stamp the end of each phase (the GPU's clock), and the table gives each phase's
@@ -31,6 +31,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -73,6 +74,14 @@ def run_config(tokens: int, dtype: str, args) -> dict:
 
     one = dataclasses.replace(opts, iters=1, warmup=0, graph_calls=1)
 
+    t_start = time.monotonic()
+
+    def log(rank: int, part: str):
+        """--verbose: each rank's stages of a part (capture, replays) with the seconds since the start."""
+        if not args.verbose:
+            return lambda stage: None
+        return lambda stage: sys.stderr.write(f"    {time.monotonic() - t_start:7.2f}s rank {rank} {part} {stage}\n")
+
     def fn(comm):
         dev = comm.device
         stream = rank_stream(comm)
@@ -84,7 +93,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         for name, step in parts.items():
             if comm.rank == 0:
                 sys.stderr.write(f"  {name}\n")
-            out[name] = graph_samples(comm, step, stream, side, barrier, opts)
+            out[name] = graph_samples(comm, step, stream, side, barrier, opts, stage=log(comm.rank, name))
         stamps = []
         if comm.rank == 0 and args.phases:
             sys.stderr.write(f"  {args.phases} traced pairs\n")
@@ -146,6 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also write the torch profiler's kernel table")
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
+    p.add_argument("--verbose", action="store_true", help="print each rank's capture and replays as they begin")
     p.add_argument("--out", default="bench-results/moe-parts")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped: say where every rank was
