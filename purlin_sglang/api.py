@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
@@ -198,7 +198,11 @@ class Communicator:
 
     def all_gather_v(self, x: torch.Tensor, sizes: Sequence[int], *, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather with per-rank row counts ``sizes`` (``sizes[rank] == x.shape[0]``)."""
-        return self._run(ALL_GATHER_V, x, out, None, None, None, self._path.gather_sizes(x, sizes))
+        try:
+            sizes = self._path.gather_sizes(x, sizes)
+        except PurlinValueError as e:
+            self._announce("all_gather_v", e)
+        return self._run(ALL_GATHER_V, x, out, None, None, None, sizes)
 
     def reduce_scatter_v(self, x: torch.Tensor, sizes: Sequence[int], op: Any = "sum", *,
                          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,9 +216,12 @@ class Communicator:
         """all_to_all_single with splits: ``input_splits[r]`` rows go to rank r, ``output_splits[p]`` come from p.
 
         ``input_split_sizes`` / ``output_split_sizes`` (torch.distributed's names) are accepted instead."""
-        input_splits = one_of("all_to_all_v", "input_splits", input_splits, "input_split_sizes", input_split_sizes)
-        output_splits = one_of("all_to_all_v", "output_splits", output_splits, "output_split_sizes",
-                               output_split_sizes)
+        try:
+            input_splits = one_of("all_to_all_v", "input_splits", input_splits, "input_split_sizes", input_split_sizes)
+            output_splits = one_of("all_to_all_v", "output_splits", output_splits, "output_split_sizes",
+                                   output_split_sizes)
+        except PurlinValueError as e:
+            self._announce("all_to_all_v", e)
         return self._run(ALL_TO_ALL_V, x, out, None, None, input_splits, output_splits)
 
     def broadcast(self, x: torch.Tensor, root: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,8 +290,12 @@ class Communicator:
                     raise
                 return out
         else:  # the full path: every check, planning and lowering; ``got`` is the call-cache key
-            self._check_usable(spec.name if isinstance(spec, CollectiveSpec) else "run")
-            call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
+            name = spec.name if isinstance(spec, CollectiveSpec) else "run"
+            self._check_usable(name)
+            try:
+                call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
+            except PurlinValueError as e:
+                self._announce(name, e)
         self._seq += 1
         ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info)
         self._execute(ctx, call.sched)
@@ -294,6 +305,26 @@ class Communicator:
             bind = getattr(self._engine, "bind", None) if self._gate is None else None
             call.launch = bind(call.sched, ctx) if bind is not None else False
         return out
+
+    def _announce(self, op: str, error: PurlinValueError) -> NoReturn:
+        """This rank rejected its own arguments of a collective: where the ranks can hear it (the CPU
+        engine's descriptors; virtual ranks' launch gate) the call is announced as rejected, so that
+        every peer raises a PurlinRejectedError quoting ``error`` instead of waiting for this rank, and
+        the call number is spent on every rank alike; then ``error`` is raised. A CUDA process group
+        (whose descriptors live on the device) and a call under graph capture raise it here only."""
+        if self._closed or self._engine.broken or self.world_size == 1:
+            raise error
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise error
+        engine_reject = getattr(self._engine, "reject", None)
+        if self._gate is None and engine_reject is None:
+            raise error
+        self._seq += 1
+        if self._gate is not None:
+            self._gate.reject(self.rank, self._seq, op, str(error))
+        else:
+            engine_reject(self._seq, op, str(error))
+        raise error
 
     def _check_usable(self, name: str) -> None:
         if self._closed:

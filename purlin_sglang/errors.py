@@ -19,6 +19,16 @@ class PurlinValueError(PurlinError, ValueError):
     """A bad argument: wrong dtype, device, shape, sizes, op or spec. Nothing was touched."""
 
 
+class PurlinRejectedError(PurlinValueError):
+    """Another rank rejected its own arguments of this call: every rank skipped the call and the
+    communicator stays usable. ``rank`` is the rank that rejected them (the lowest, if several did),
+    ``cause`` its own error message, which this message quotes; ``op`` the call."""
+
+    def __init__(self, message: str, *, op: str = "", rank: int = -1, cause: str = ""):
+        super().__init__(message)
+        self.op, self.rank, self.cause = op, rank, cause
+
+
 class PurlinConfigError(PurlinValueError):
     """A bad configuration key or value; the message names the key."""
 
@@ -83,9 +93,36 @@ class PurlinPluginError(PurlinError, RuntimeError):
     """The SGLang plugin cannot do what was asked (hooks missing, communicator not buildable)."""
 
 
+def rejected_error(op: str, causes: dict[int, str], seq: int | None = None) -> PurlinRejectedError:
+    """What a rank raises when peers rejected their own arguments of its call ``op`` (``causes``: each
+    such rank's own error message): the lowest such rank named, its message quoted."""
+    rank = min(causes)
+    others = sorted(causes)[1:]
+    also = f" (ranks {others} rejected theirs too)" if others else ""
+    call = f" call #{seq}" if seq is not None else " this call"
+    return PurlinRejectedError(
+        f"{op}: rank {rank} rejected its arguments of{call}: \"{causes[rank]}\"{also}; every rank skipped the "
+        "call and the communicator stays usable", op=op, rank=rank, cause=causes[rank])
+
+
+def text_words(text: str, words: int) -> list[int]:
+    """``text`` as ``words`` int64 values (UTF-8, cut to fit, zero-padded): a message that travels
+    in int64 signal words or tensors."""
+    raw = text.encode("utf-8")[: 8 * words]
+    raw = raw.decode("utf-8", "ignore").encode("utf-8").ljust(8 * words, b"\0")  # no cut character
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 8 * words, 8)]
+
+
+def words_text(values) -> str:
+    """The text :func:`text_words` encoded."""
+    raw = b"".join(int(v).to_bytes(8, "little", signed=True) for v in values)
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
 __all__ = [
     "PurlinError",
     "PurlinValueError",
+    "PurlinRejectedError",
     "PurlinConfigError",
     "PurlinPlanError",
     "PurlinUnavailableError",

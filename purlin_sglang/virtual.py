@@ -30,7 +30,8 @@ import torch
 
 from .config import PurlinConfig
 from .engines.base import mismatch_message
-from .errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError
+from .errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
+                     rejected_error)
 from .memory import HostWorkspace, WorkspaceLayout
 from .memory.heap import region_bytes
 
@@ -231,6 +232,7 @@ class LaunchGate:
         self._counts = {"reach": [0] * world, "launch": [0] * world}
         self._failed: dict[int, str] = {}
         self._calls: list = [None] * world  # per rank: (seq, fingerprint, description) of its latest call
+        self._rejects: dict[int, dict[int, str]] = {}  # call number -> {rank: its error}: arguments rejected
         self._cond = threading.Condition()
 
     def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: Any = "") -> None:
@@ -241,12 +243,29 @@ class LaunchGate:
             self._calls[rank] = (seq, fingerprint, what or op, op)
         self._meet("reach", rank, seq, op)
         with self._cond:
+            rejected = self._rejects.get(seq)
+            if rejected:
+                raise rejected_error(op, dict(rejected), seq)
             mine = self._calls[rank]
             for peer, theirs in enumerate(self._calls):
                 if theirs is not None and theirs[0] == seq and theirs[1] != mine[1]:
                     raise PurlinMismatchError(
                         mismatch_message(op, rank, peer, seq, _describe(mine), _describe(theirs)),
                         op=op, rank=rank, peer=peer)
+
+    def reject(self, rank: int, seq: int, op: str, cause: str) -> None:
+        """Rank ``rank`` rejected its own arguments of call ``seq`` (``cause``: its error message): it
+        reaches the call without launching it, and waits (bounded by the timeout) until every rank has
+        reached it; each peer then raises a PurlinRejectedError quoting ``cause`` from :meth:`enter` and
+        launches nothing either. The caller raises its own error."""
+        with self._cond:
+            self._rejects.setdefault(seq, {})[rank] = cause
+            for old in [s for s in self._rejects if s < seq - 8]:  # every rank is past those calls
+                del self._rejects[old]
+        try:
+            self._meet("reach", rank, seq, op)
+        except PurlinError:
+            pass  # a peer that failed or never comes: the caller raises its own error all the same
 
     def launched(self, rank: int, seq: int, op: str) -> None:
         self._meet("launch", rank, seq, op)

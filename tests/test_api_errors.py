@@ -1,12 +1,14 @@
 """Bad inputs: each raises a PurlinError that is also a ValueError (or RuntimeError), names the op,
 and leaves the communicator usable: a correct call afterwards works on every rank."""
 
+import time
+
 import pytest
 import torch
 
 import purlin_sglang as ps
 from purlin_sglang.collectives import ALL_GATHER, ALL_REDUCE, COPY, PACKED, REDUCE, SCATTERED, CollectiveSpec
-from purlin_sglang.errors import PurlinClosedError, PurlinError, PurlinValueError
+from purlin_sglang.errors import PurlinClosedError, PurlinError, PurlinRejectedError, PurlinValueError
 
 CFG = {"staging_bytes": 1 << 16, "timeout_s": 5}
 GATHER = CollectiveSpec("gather", PACKED, SCATTERED.root(), COPY)
@@ -108,15 +110,29 @@ def test_bad_input_on_every_rank_then_a_good_call(bad, opname):
 
 
 @pytest.mark.parametrize("bad,opname", [b[1:] for b in BAD[::4]], ids=[b[0] for b in BAD[::4]])
-def test_bad_input_on_one_rank_touches_no_shared_state(bad, opname):
-    # Validation is local and happens before the call is published: a bad call on rank 0 alone
-    # must not shift the call sequence, so the next good call still matches on every rank.
+def test_bad_input_on_one_rank_raises_on_every_rank(bad, opname):
+    # Rank 0's arguments are bad, its peers' call is fine: rank 0 raises its own error, the peers a
+    # PurlinRejectedError quoting it (not a timeout), the call number is spent on every rank alike, so
+    # the next good call matches everywhere.
     def fn(comm):
+        t0 = time.monotonic()
         if comm.rank == 0:
-            expect_bad(comm, bad, opname)
-        return good_call(comm)
+            with pytest.raises(PurlinValueError) as info:
+                bad(comm)
+        else:
+            with pytest.raises(PurlinRejectedError) as info:
+                comm.all_reduce(x4(3))
+        e, dt = info.value, time.monotonic() - t0
+        return type(e).__name__, str(e), getattr(e, "rank", None), getattr(e, "cause", None), dt, good_call(comm)
 
-    assert ps.run_virtual(W, fn, config=CFG) == [True] * W
+    res = ps.run_virtual(W, fn, config={**CFG, "timeout_s": 60})
+    own = res[0][1]
+    assert own.startswith(opname + ":"), own
+    for name, msg, rank, cause, dt, ok in res[1:]:
+        assert name == "PurlinRejectedError" and rank == 0 and cause == own, (name, rank, cause, own)
+        assert "rank 0 rejected its arguments" in msg and own in msg, msg
+        assert dt < 1.0, dt
+    assert all(r[-1] for r in res)
 
 
 def test_every_bad_input_in_sequence_on_one_communicator():

@@ -73,14 +73,13 @@ def test_rank_skips_a_call_the_others_time_out_naming_it(world, skipper):
 
 
 def test_skip_of_a_call_where_the_skipper_only_consumes():
-    # broadcast from root 0: the root never waits in the call; it is the NEXT call that finds rank 1
-    # missing (rank 1 never drained the root's staging), and still names it.
+    # broadcast from root 0: the root's schedule never waits for rank 1, but every call starts by
+    # reading each peer's descriptor of it, so the broadcast itself finds rank 1 missing and names it.
     def fn(comm):
         if comm.rank == 0:
-            comm.broadcast(torch.ones(4), 0)
-            e, dt = outcome(lambda: comm.all_gather(torch.ones(4)))
+            e, dt = outcome(lambda: comm.broadcast(torch.ones(4), 0))
             assert isinstance(e, PurlinTimeoutError), repr(e)
-            assert e.missing == (1,) and "all_gather" in str(e) and dt < 5
+            assert e.missing == (1,) and "broadcast" in str(e) and dt < 5
             return then_broken(comm)
         return "skipped"
 

@@ -5,6 +5,12 @@ same ops whichever way the ranks live (threads of one process, or processes on o
 host); only the workspace differs. Reductions accumulate 16-bit floats in float32
 and combine contributions in the order the plan lists them (rank order), so every
 rank computes bitwise identical results on every run.
+
+Every call starts with a rendezvous: a rank publishes its call descriptor, then reads every peer's
+descriptor of the same call before it moves a byte. So a mismatch is found before any data moves,
+and a rank that rejected its own arguments (:meth:`CpuEngine.reject`: its descriptor says so, its
+reject words say why) makes every peer raise at once, naming it and quoting its error, with no
+counter touched: the next call is the next call on every rank.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import torch
 
 from ..collectives import ReduceOp
 from ..config import timeouts
-from ..errors import PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError
+from ..errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, rejected_error,
+                      text_words, words_text)
 from ..memory.host import HostWorkspace
-from ..memory.layout import RING, STATE_BROKEN, STATE_OK
+from ..memory.layout import REJECT_WORDS, REJECTED, RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
 from .base import SPLIT_ARGS, SPLIT_ARGS_RUN, CallContext, describe_info, mismatch_message, rows_phrase
 
@@ -56,6 +63,7 @@ class CpuEngine:
         self.sent = np.zeros((world, lay.max_items), dtype=np.int64)  # notifies I sent to c
         self.expect = np.zeros((world, lay.max_items), dtype=np.int64)  # notifies I consumed from p
         self.broken: str | None = None
+        self._rejects: dict[int, str] = {}  # peers that rejected their arguments of the current call
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -95,6 +103,13 @@ class CpuEngine:
         sent_to_me = int(w[off + 3 + self.rank])
         if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
             return True
+        if fp == REJECTED:  # the peer rejected its arguments: its reject words say why (written before)
+            r = lay.reject_offset(peer)
+            text = words_text(w[r + 2: r + REJECT_WORDS]) if int(w[r]) == ctx.seq else ""
+            if text and int(w[r + 1]) > 8 * (REJECT_WORDS - 2):
+                text += " [...]"  # cut to the reject words
+            self._rejects[peer] = text or "(its message was not readable)"
+            return True
         if fp != ctx.fingerprint:
             self._fail(PurlinMismatchError(
                 mismatch_message(ctx.op, self.rank, peer, ctx.seq, describe_info(ctx.info), describe_info(info)),
@@ -103,6 +118,43 @@ class CpuEngine:
             self._fail(PurlinMismatchError(split_mismatch(ctx, peer, self.rank, sent_to_me, sched.recv_bytes[peer]),
                                            op=ctx.op, rank=self.rank, peer=peer))
         return True
+
+    def reject(self, seq: int, op: str, message: str) -> None:
+        """This rank rejected its own arguments of call ``seq`` (``message``: its error): publish why, then
+        the call's descriptor marked REJECTED, and wait (bounded by the timeout) until every peer has
+        entered the call, so none can miss it. The caller raises its own error; no counter moves."""
+        w, lay, me = self.ws.words, self.layout, self.rank
+        if w is None:
+            return
+        r = lay.reject_offset(me)
+        text = text_words(message, REJECT_WORDS - 2)
+        w[r] = seq
+        w[r + 1] = len(message.encode("utf-8"))
+        w[r + 2: r + REJECT_WORDS] = text
+        off = lay.desc_offset(me, seq % RING)
+        w[off + 1] = REJECTED
+        w[off + 2] = 0
+        w[off + 3: off + 3 + self.world] = 0
+        w[off] = seq
+        deadline = time.monotonic() + self.timeout_s
+        polls = 0
+        for p in range(self.world):
+            while p != me and self._peer_seq(p) < seq and int(w[lay.state_base + p]) == STATE_OK:
+                if time.monotonic() > deadline:
+                    return  # a peer that never comes times out on its own
+                polls += 1
+                time.sleep(0 if polls < 64 else min(1e-3, 1e-6 * polls))
+
+    def _meet(self, ctx: CallContext, sched: Schedule, verified: set) -> None:
+        """Every peer's descriptor of this call read (and checked) before any data moves; raise a
+        PurlinRejectedError if a peer rejected its arguments (the communicator stays usable)."""
+        self._rejects.clear()
+        for p in range(self.world):
+            if p != self.rank:
+                self._wait(ctx, sched, p, lambda p=p: p in verified, "its entry into this call", verified)
+        if self._rejects:
+            causes, self._rejects = dict(self._rejects), {}
+            raise rejected_error(ctx.op, causes, ctx.seq)
 
     def _fail(self, err: PurlinError) -> None:
         self.mark_broken(str(err))
@@ -176,6 +228,7 @@ class CpuEngine:
         w, lay, me = self.ws.words, self.layout, self.rank
         self._publish(ctx, sched)
         verified: set[int] = set()
+        self._meet(ctx, sched, verified)
         for op in sched.ops:
             if isinstance(op, Copy):
                 dst, src = self._view(op.dst, ctx), self._view(op.src, ctx)

@@ -12,6 +12,9 @@ Per rank ``r`` (int64 words unless said otherwise):
 * ``state[r]``: 0 healthy, 1 broken (a peer can stop waiting for a broken rank).
 * ``notify[p][c][i]``: chunks producer ``p`` staged in item ``i`` for consumer ``c``.
 * ``ack[p][c][i]``: chunks consumer ``c`` drained from producer ``p``'s item ``i``.
+* ``reject[r]``: ``REJECT_WORDS`` words, ``[seq, nbytes, text...]``: why rank ``r`` rejected its own
+  arguments of call ``seq`` (UTF-8, at most ``REJECT_TEXT_BYTES``), written before its descriptor of
+  that call, which then carries the fingerprint ``REJECTED``.
 * ``staging[r]``: ``staging_bytes`` bytes, 4096-aligned.
 """
 
@@ -26,7 +29,10 @@ RING = 4
 WORD = 8
 PAGE = 4096
 MAGIC = 0x50524C4E  # "PRLN"
-VERSION = 2  # 2: descriptors carry the call's description code
+VERSION = 3  # 2: descriptors carry the call's description code; 3: the reject words
+REJECTED = -1  # the fingerprint of a call its rank rejected (real fingerprints are >= 0)
+REJECT_TEXT_BYTES = 512
+REJECT_WORDS = 2 + REJECT_TEXT_BYTES // 8
 
 STATE_OK = 0
 STATE_BROKEN = 1
@@ -82,8 +88,15 @@ class WorkspaceLayout(_RankLayout):
         return self.ack_base + (producer * self.world + consumer) * self.max_items + item
 
     @property
-    def signal_words(self) -> int:
+    def reject_base(self) -> int:
         return self.ack_base + self.world * self.world * self.max_items
+
+    def reject_offset(self, rank: int) -> int:
+        return self.reject_base + rank * REJECT_WORDS
+
+    @property
+    def signal_words(self) -> int:
+        return self.reject_base + self.world * REJECT_WORDS
 
     # byte offsets
     @property

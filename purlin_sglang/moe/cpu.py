@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PurlinValueError
 from .dispatch import MoEDispatch
 from .engine import MoEContext
-from .exchange import CountExchange
+from .exchange import CountExchange, raise_rejected, status_words
 from .namings import MOE_COMBINE, MOE_DISPATCH
 from .plan import MoEPlan, make_moe_plan
 from .routing import quantize_fp8, route
@@ -22,14 +21,9 @@ from .routing import quantize_fp8, route
 
 def combine_status(ctx: MoEContext, error: Exception | None = None) -> None:
     """Every rank says whether it accepted its combine arguments (one all-gather); if a rank did not, every
-    rank raises now (that rank ``error``, the others naming it) and no rank runs the combine's exchange."""
-    got = ctx.all_gather(torch.tensor([int(error is not None)], dtype=torch.int64, device=ctx.device))
-    bad = [q for q, v in enumerate(got.tolist()) if v]
-    if error is not None:
-        raise error
-    if bad:
-        raise PurlinValueError(f"moe_combine: rank(s) {bad} rejected their arguments (their error names the "
-                               "argument); every rank skipped this call and the communicator stays usable")
+    rank raises now (that rank ``error``, the others a PurlinRejectedError naming it and quoting it) and no rank runs the combine's exchange."""
+    got = ctx.all_gather(torch.tensor(status_words(error), dtype=torch.int64, device=ctx.device))
+    raise_rejected(MOE_COMBINE.name, got.view(ctx.world, -1), error)
 
 
 def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor,

@@ -4,8 +4,8 @@ Two all-gathers over the context's ``all_gather``: first every rank's header (a 
 call's shape: num_experts, top-k, hidden size, x's dtype, fp8, capacity; then its tokens), then
 every rank's counts (rows per global expert first; a part may append its own columns). Every rank
 sees the same words, so every rank raises the same error, and none runs the rest of the call, for
-a rank that rejected its own arguments (status 1: :meth:`CountExchange.reject`; that rank raises
-its own error, the others name it), a value the ranks disagree on (naming the argument), or a
+a rank that rejected its own arguments (status 1 and its message: :meth:`CountExchange.reject`; that
+rank raises its own error, the others a PurlinRejectedError naming it and quoting the message), a value the ranks disagree on (naming the argument), or a
 (source rank, expert) count over ``capacity`` (PurlinCapacityError). The communicator stays usable.
 Blocks the host (the counts are read there).
 """
@@ -16,12 +16,30 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import PurlinCapacityError, PurlinValueError
+from ..errors import PurlinCapacityError, PurlinValueError, rejected_error, text_words, words_text
 from ..native import DTYPE_CODES, reduce_dtype_code
 from .engine import MoEContext
 
 OP = "moe_dispatch"
 HEADER_FIELDS = ("num_experts", "topk_ids (K columns)", "x (hidden size)", "x dtype", "dtype", "capacity")
+CAUSE_WORDS = 32  # a rejecting rank's error message travels in this many int64 words (256 bytes)
+
+
+def status_words(error: Exception | None) -> list[int]:
+    """A rank's status in a MoE call's first all-gather: [1, its error message...] if it rejected its
+    own arguments, else [0, 0...]; every rank sends the same number of words."""
+    return [1] + text_words(str(error), CAUSE_WORDS) if error is not None else [0] * (1 + CAUSE_WORDS)
+
+
+def raise_rejected(op: str, statuses: torch.Tensor, error: Exception | None) -> None:
+    """After the all-gather of every rank's :func:`status_words` (``statuses`` [W, 1 + CAUSE_WORDS] on
+    the host): a rank that rejected raises its own ``error``; if any rank rejected, the others raise a
+    PurlinRejectedError naming it and quoting its message."""
+    if error is not None:
+        raise error
+    causes = {q: words_text(row[1:].tolist()) for q, row in enumerate(statuses) if int(row[0])}
+    if causes:
+        raise rejected_error(op, causes)
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -89,16 +107,12 @@ class CountExchange:
         a rank rejected its own arguments (``error``: that rank raises it, the others name that rank) or
         the ranks disagree on a value."""
         world = self.ctx.world
-        vals = [1] + [0] * (len(values) + 1) if error is not None else [0] + list(values) + [tokens]
+        vals = status_words(error) + ([0] * (len(values) + 1) if error is not None else list(values) + [tokens])
         seen = self._to_host(self.ctx.all_gather(self._to_device(vals))).view(world, -1)
-        bad = [q for q in range(world) if int(seen[q, 0])]
-        if bad:
-            if error is not None:
-                raise error
-            raise PurlinValueError(f"{OP}: rank(s) {bad} rejected their arguments (their error names the "
-                                   "argument); every rank skipped this call and the communicator stays usable")
+        raise_rejected(OP, seen[:, : 1 + CAUSE_WORDS], error)
+        fields = seen[:, 1 + CAUSE_WORDS:]
         for i, name in enumerate(HEADER_FIELDS[: len(values)]):
-            col = seen[:, i + 1].tolist()
+            col = fields[:, i].tolist()
             if any(v != col[0] for v in col):
                 raise PurlinValueError(f"{OP}: the ranks disagree on {name}: {_shown(name, col)} (rank order); "
                                        "every rank must call with the same value")
