@@ -269,18 +269,19 @@ def test_communicator_without_torch_distributed():
 
 
 def test_plugin_config_is_parsed_once_per_process_and_again_when_the_file_changes(tmp_path, monkeypatch):
-    from purlin_sglang.sglang import routing, settings
+    from purlin_sglang import routed
+    from purlin_sglang.sglang import settings
 
     path = tmp_path / "purlin.yaml"
     path.write_text("timeout_s: 7\n")
     parsed = []
-    real = routing.PluginConfig.from_yaml.__func__
+    real = routed.PluginConfig.from_yaml.__func__
 
-    def counting(cls, p):
+    def counting(cls, p, **kw):
         parsed.append(p)
-        return real(cls, p)
+        return real(cls, p, **kw)
 
-    monkeypatch.setattr(routing.PluginConfig, "from_yaml", classmethod(counting))
+    monkeypatch.setattr(routed.PluginConfig, "from_yaml", classmethod(counting))
     first = settings.CommSettings("purlin", str(path)).load_config()
     again = [settings.CommSettings("purlin", str(path)).load_config() for _ in range(3)]  # e.g. one per group
     assert first.purlin.timeout_s == 7 and all(c is first for c in again) and len(parsed) == 1

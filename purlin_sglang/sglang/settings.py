@@ -40,11 +40,11 @@ def installed_version() -> str:
 
 
 def load_plugin_config(path: Optional[str]):
-    """The :class:`~.routing.PluginConfig` in ``path`` (None: the defaults), parsed once per process.
+    """The :class:`~purlin_sglang.routed.PluginConfig` in ``path`` (None: the defaults), parsed once per process.
 
     Cached by the absolute path and the file's modification time and size, so an edited file is
     read again; a file that cannot be read or parsed raises PurlinConfigError every time."""
-    from .routing import PluginConfig
+    from ..routed import PluginConfig
 
     if path is None:
         return PluginConfig()
@@ -53,12 +53,12 @@ def load_plugin_config(path: Optional[str]):
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size)
     except OSError:
-        return PluginConfig.from_yaml(path)  # raises the message that names the problem
+        return PluginConfig.from_yaml(path, flag="--purlin-config")  # raises the message that names the problem
     with _configs_lock:
         hit = _configs.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-    cfg = PluginConfig.from_yaml(path)
+    cfg = PluginConfig.from_yaml(path, flag="--purlin-config")
     with _configs_lock:
         _configs[path] = (stamp, cfg)
     return cfg

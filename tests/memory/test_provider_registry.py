@@ -9,7 +9,7 @@ import purlin_sglang as ps
 from purlin_sglang import cli, engines, memory
 from purlin_sglang.errors import PurlinConfigError, PurlinUnavailableError
 from purlin_sglang.memory import providers
-from purlin_sglang.sglang.routing import PluginConfig
+from purlin_sglang.routed import PluginConfig
 
 
 def test_the_registry():

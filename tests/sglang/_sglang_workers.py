@@ -173,7 +173,7 @@ def communicator_alone(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from purlin_sglang.sglang.communicator import PurlinGroupCommunicator
-    from purlin_sglang.sglang.routing import PluginConfig
+    from purlin_sglang.routed import PluginConfig
 
     cfg = PluginConfig.from_dict({"staging_bytes": 1 << 20, "routing": {"all_reduce": {"max_bytes": 1024}}})
     pc = PurlinGroupCommunicator(dist.group.WORLD, "cpu", cfg, name="t")
@@ -200,7 +200,7 @@ def communicator_deterministic(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from purlin_sglang.sglang.communicator import PurlinGroupCommunicator
-    from purlin_sglang.sglang.routing import PluginConfig
+    from purlin_sglang.routed import PluginConfig
 
     os.environ["SGLANG_ENABLE_DETERMINISTIC_INFERENCE"] = "1"
     cfg = PluginConfig.from_dict({"staging_bytes": 1 << 20, "routing": {
@@ -316,7 +316,8 @@ def capture_paths(rank: int, world: int, config_path: str) -> dict:
 
     from sglang.srt.plugins import load_plugins
 
-    from purlin_sglang.sglang import communicator, hooks, plugin
+    from purlin_sglang.routed import communicator as routed_communicator
+    from purlin_sglang.sglang import hooks, plugin
 
     load_plugins()
     with plugin.activate("purlin", config_path):
@@ -404,13 +405,13 @@ def capture_paths(rank: int, world: int, config_path: str) -> dict:
     except KeyError:
         after["error_depth"] = pc._capture_depth
     # least recently used keys are forgotten beyond WARM_KEYS (then such a call falls back: safe)
-    saved, communicator.WARM_KEYS = communicator.WARM_KEYS, 2
+    saved, routed_communicator.WARM_KEYS = routed_communicator.WARM_KEYS, 2
     try:
         for rows in (1, 2, 3):
             pc.all_reduce(_rows(rank, rows))
         after["warm_lru"] = [pc.is_warm(pc.all_reduce_key(_rows(rank, r))) for r in (1, 2, 3)]
     finally:
-        communicator.WARM_KEYS = saved
+        routed_communicator.WARM_KEYS = saved
     facts = {"events": events, "depth_inside": depth_inside, "after": after, "checks": checks, "not_warm": not_warm,
              "routed": dict(pc.routed), "captured": dict(pc.captured),
              "fallbacks": {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()}, "summary": pc.summary()}

@@ -6,7 +6,8 @@ import pytest
 
 import _sglang_workers as W
 from purlin_sglang.errors import PurlinConfigError
-from purlin_sglang.sglang.routing import PluginConfig, RoutingTable, deterministic_inference, for_deterministic_inference
+from purlin_sglang.routed import PluginConfig, RoutingTable, for_deterministic_inference
+from purlin_sglang.sglang.routing import deterministic_inference
 from purlin_sglang.testing import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
