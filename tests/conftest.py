@@ -6,8 +6,9 @@
 * CI switches that turn specific skips into failures, where the environment promises what the
   skipped tests need: ``PURLIN_REQUIRE_SGLANG=1`` (SGLang is installed: a test skipped because
   ``sglang`` or a part of it does not import fails) and ``PURLIN_REQUIRE_GPU=1`` (a CUDA GPU is
-  there: a test skipped for want of one fails). ``.ci/run`` sets the first, the ``test`` step of
-  tools/gpu.sh the second.
+  there: a test skipped for want of one fails) and ``PURLIN_REQUIRE_VLLM=1`` (the vLLM venv of
+  tools/install-vllm-cpu.sh is there: tests/vllm's jobs that skip for want of it fail). ``.ci/run``
+  sets the first and the third, the ``test`` step of tools/gpu.sh the second.
 """
 
 import os
@@ -21,6 +22,7 @@ GPU_SKIP = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 REQUIRED = (
     ("PURLIN_REQUIRE_SGLANG", re.compile(r"could not import 'sglang\b|needs sglang", re.IGNORECASE)),
     ("PURLIN_REQUIRE_GPU", re.compile(r"needs a CUDA GPU")),
+    ("PURLIN_REQUIRE_VLLM", re.compile(r"no vLLM venv")),
 )
 
 

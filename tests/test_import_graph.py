@@ -150,9 +150,10 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Modules that import a third-party package at module level which a CPU install may lack: SGLang's
-# MoE layer (the [test-sglang] extra). Skipped here only when that package is missing.
-_OPTIONAL = {f"{PKG}.sglang.moe_dispatcher"}
+# Modules that import a third-party package at module level which this venv may lack: SGLang's MoE
+# layer (the [test-sglang] extra), vLLM (a venv of its own). Skipped here only when that package is missing.
+_OPTIONAL = {f"{PKG}.sglang.moe_dispatcher": "sglang's MoE layer",
+             f"{PKG}.vllm.cpu": "vLLM, whose tests run in a venv of their own (tools/install-vllm-cpu.sh)"}
 
 
 # Python modules only: the package folder also holds shared libraries that are not Python extensions
@@ -167,5 +168,5 @@ def test_every_module_imports(name):
         importlib.import_module(name)
     except ModuleNotFoundError as e:
         if name in _OPTIONAL and e.name and not e.name.startswith(PKG):
-            pytest.skip(f"{name} needs sglang's MoE layer, which needs {e.name} (not installed)")
+            pytest.skip(f"{name} needs {_OPTIONAL[name]}, which needs {e.name} (not installed)")
         raise

