@@ -1,7 +1,8 @@
 """Run by the vLLM venv's python (tests/vllm/test_vllm_adapter.py): WORLD gloo ranks build vLLM
 0.33.0's own groups (init_distributed_environment, initialize_model_parallel under a VllmConfig
-whose additional_config is given as JSON), with purlin's CPU communicator class installed through
-the platform's get_device_communicator_cls (what the planned platform plugin does), run every
+whose additional_config is given as JSON), after vLLM's own load_general_plugins() (purlin's entry
+point there makes the platform answer purlin's communicator class, unless VLLM_PLUGINS leaves it
+out), run every
 routed collective through vLLM's GroupCoordinator and compare each with the same collective done
 by gloo on the group's CPU group (reductions summed in rank order: bitwise). Prints one JSON line: the facts of every rank.
 
@@ -24,9 +25,10 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
     from vllm.distributed import get_tp_group, init_distributed_environment, initialize_model_parallel
     from vllm.platforms import current_platform
 
-    # the planned platform plugin's one change: vLLM builds purlin's communicator class for every group
-    type(current_platform).get_device_communicator_cls = classmethod(
-        lambda cls: "purlin_sglang.vllm.cpu.PurlinCpuCommunicator")
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM worker does first: purlin's entry point installs its class
+    facts_plugin = current_platform.get_device_communicator_cls()
     with set_current_vllm_config(VllmConfig(additional_config=extra)):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{os.environ['PURLIN_TEST_PORT']}")
@@ -34,12 +36,13 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
         g = get_tp_group()
     comm = g.device_communicator
     gen = torch.Generator().manual_seed(1000 + rank)
-    facts: dict = {"class": type(comm).__name__, "purlin": comm.purlin is not None, "checks": {}}
+    facts: dict = {"class": type(comm).__name__, "purlin": getattr(comm, "purlin", None) is not None,
+                   "platform_answers": facts_plugin, "checks": {}}
 
     def check(name, got, want, exact):
         # (callers compute ``want`` first: vLLM's own all_reduce on the CPU reduces its input in place);
         # bitwise where purlin serves (its rank order), close where vLLM's own path runs (gloo's order)
-        exact = exact and comm.purlin is not None
+        exact = exact and facts["purlin"]
         ok = got.shape == want.shape and (torch.equal(got, want) if exact else
                                           torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
         facts["checks"][name] = bool(ok)
@@ -99,7 +102,7 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
     # (a call purlin declines runs vLLM's own path, whose order is gloo's: close, not bitwise)
     want = gloo_all_reduce(big)
     check("all_reduce/big", g.all_reduce(big.clone()), want, False)
-    if comm.purlin is not None:
+    if facts["purlin"]:
         facts["routed"] = dict(comm.purlin.routed)
         facts["fallbacks"] = {f"{op}/{why}": n for (op, why), n in comm.purlin.fallbacks.items()}
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel

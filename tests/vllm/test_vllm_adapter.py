@@ -44,9 +44,13 @@ def run_job(world: int, extra: dict, **env: str) -> list[dict]:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+CPU_CLASS = "purlin_sglang.vllm.cpu.PurlinCpuCommunicator"
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_routed_op_through_vllms_group_coordinator_equals_gloo(world):
     for facts in run_job(world, ON):
+        assert facts["platform_answers"] == CPU_CLASS, facts  # installed by vLLM's own plugin loading
         assert facts["class"] == "PurlinCpuCommunicator" and facts["purlin"], facts
         assert all(facts["checks"].values()), facts["checks"]  # bitwise: purlin sums in rank order
         assert facts["routed"] == OPS and not facts["vllm_lacks"], facts  # each op served by purlin (the
@@ -60,6 +64,23 @@ def test_without_the_key_purlin_stays_out_of_the_way():
         assert all(facts["checks"].values()), facts["checks"]  # vLLM's own results, unchanged
         assert "routed" not in facts
         assert facts["vllm_lacks"] == ["all_gatherv", "reduce_scatterv"], facts  # what purlin adds on CPU
+
+
+def test_vllm_plugins_can_leave_purlin_out():
+    # VLLM_PLUGINS names the general plugins to load: without purlin's, vLLM's own class is built
+    for facts in run_job(2, ON, VLLM_PLUGINS="none"):
+        assert facts["platform_answers"].endswith(".CpuCommunicator") and facts["class"] == "CpuCommunicator", facts
+        assert not facts["purlin"] and facts["vllm_lacks"] == ["all_gatherv", "reduce_scatterv"], facts
+
+
+def test_the_cuda_class_is_a_cuda_communicator():
+    # the CUDA form imports on a CPU machine; graph capture's type check needs the subclass relation
+    py = vllm_python()
+    code = ("import purlin_sglang.vllm.cuda as c; from vllm.distributed.device_communicators.cuda_communicator "
+            "import CudaCommunicator as C; assert issubclass(c.PurlinCudaCommunicator, C); print('OK')")
+    r = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd=str(ROOT))
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]
 
 
 def test_batch_invariant_mode_keeps_every_reduction_on_purlin():
@@ -90,3 +111,21 @@ def test_a_missing_or_other_vllm_is_a_clear_error(monkeypatch):
         settings.check_vllm()
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
     assert settings.check_vllm() == "0.33.0"
+
+
+def test_the_entry_point_never_stops_another_vllm(monkeypatch, caplog):
+    # vLLM runs general plugins in every process and an exception there stops it: with another
+    # version, register() logs why and installs nothing
+    from purlin_sglang.vllm import plugin
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.34.1"))
+    with caplog.at_level("WARNING"):
+        assert plugin.register() is False
+    assert "written for vllm==0.33.0; this is vllm 0.34.1" in caplog.text
+
+
+def test_the_entry_point_is_declared():
+    import tomllib
+
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert eps["vllm.general_plugins"] == {"purlin_sglang": "purlin_sglang.vllm.plugin:register"}
