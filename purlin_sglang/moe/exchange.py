@@ -40,12 +40,9 @@ def raise_rejected(op: str, statuses: torch.Tensor, error: Exception | None) -> 
     causes = {q: words_text(row[1:].tolist()) for q, row in enumerate(statuses) if int(row[0])}
     if causes:
         raise rejected_error(op, causes)
+
+
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """The header's code of ``x``'s dtype: the one dtype table's (native.DTYPE_CODES)."""
-    return reduce_dtype_code(dtype)
 
 
 def _shown(name: str, col: list[int]) -> list:
@@ -88,7 +85,7 @@ class CountExchange:
         ``num_experts``, ``capacity``, ``quant``), then ``counts`` (1-D int64 on the device, rows per
         global expert first). Returns every rank's counts as a host tensor [W, counts.numel()] in
         rank order; raises (on every rank alike) as the module says. Collective."""
-        header = (num_experts, ids.shape[1], x.shape[1], dtype_code(x.dtype), int(quant == "fp8"), capacity or 0)
+        header = (num_experts, ids.shape[1], x.shape[1], reduce_dtype_code(x.dtype), int(quant == "fp8"), capacity or 0)
         self._header(header, ids.shape[0])
         matrix = self._to_host(self.ctx.all_gather(counts)).view(self.ctx.world, -1)
         err = overflow(matrix[:, :num_experts], capacity, num_experts // self.ctx.world)
