@@ -58,6 +58,8 @@ class Communicator:
             self.device = torch.device("cuda", self.device.index if self.device.index is not None
                                        else torch.cuda.current_device())
         with setup_phase.bounded(self.config.timeouts.setup_s):  # every set-up wait ends within timeout_s
+            # one node, or every rank raises naming the nodes (before any shared memory is made)
+            self._nodes = bootstrap.node_of_rank(group, rank, world, self.config.topology.node_of_rank)
             ws = bootstrap.group_workspace(self.memory, group, rank, world,
                                            region_bytes(self.config.staging_bytes, self.config.symmetric_bytes),
                                            shm_dir=self.config.shm_dir, device_index=self.device.index or 0)
@@ -75,6 +77,7 @@ class Communicator:
         self._broken_reason = None
         self._gate, self._vworld = vworld.gate, vworld
         self.config, self.device, self.memory = vworld.config, vworld.device, memory
+        self._nodes = (0,) * vworld.world  # threads of one process (run_virtual checks topology)
         # Virtual ranks share one GPU at once: every rank's grid must be co-resident.
         self._init(vworld.rank_workspace(rank), rank, vworld.world, engine, None, ranks_on_gpu=vworld.world)
         return self
@@ -120,6 +123,12 @@ class Communicator:
         if self._closed or self.device.type != "cuda":
             return 0
         return self._ws.hbm_bytes + self._engine.table_bytes + self.moe_hbm_bytes
+
+    @property
+    def node_of_rank(self) -> tuple[int, ...]:
+        """The node id of every rank of the group (config ``topology.node_of_rank``, else the ranks'
+        hosts): all 0 today, since a group on more than one node is refused at construction."""
+        return self._nodes
 
     @property
     def closed(self) -> bool:

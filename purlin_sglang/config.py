@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -64,6 +64,26 @@ class MoESettings(ConfigModel):
     trace: bool = False
 
 
+class TopologySettings(ConfigModel):
+    """The ``topology:`` section: which node each rank of a group runs on.
+
+    * ``node_of_rank`` (unset): one node id (an int >= 0) per rank of the group, the same list on
+      every rank; unset, the ranks' hosts decide (ranks on one host are one node). purlin's plans
+      run inside one node today, so a group whose ranks are on more than one node is refused at
+      construction with an error that names the nodes (plans that cross nodes are planned). Set, it
+      lets a test pretend a layout of nodes on one host.
+    """
+
+    node_of_rank: Optional[tuple[int, ...]] = None
+
+    @field_validator("node_of_rank")
+    @classmethod
+    def _ids(cls, v):
+        if v is not None and (not v or any(n < 0 for n in v)):
+            raise ValueError("need one node id >= 0 per rank of the group")
+        return v
+
+
 class PurlinConfig(ConfigModel):
     """Configuration of a :class:`~purlin_sglang.Communicator`.
 
@@ -93,6 +113,7 @@ class PurlinConfig(ConfigModel):
       timeout. The CPU engine and loopback eager calls always check.
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
+    * ``topology``: :class:`TopologySettings` (which node each rank runs on).
     """
 
     timeout_s: float = Field(60.0, gt=0, le=86400)
@@ -104,6 +125,7 @@ class PurlinConfig(ConfigModel):
     device_call_check: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)
+    topology: TopologySettings = Field(default_factory=TopologySettings)
 
     @field_validator("memory")
     @classmethod

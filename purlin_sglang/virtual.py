@@ -41,6 +41,11 @@ class VirtualWorld:
 
     def __init__(self, world: int, config: PurlinConfig, device: torch.device):
         self.world, self.config = world, config
+        nodes = config.topology.node_of_rank
+        if nodes is not None and (len(nodes) != world or len(set(nodes)) > 1):
+            raise PurlinUnavailableError(
+                f"run_virtual: topology.node_of_rank {list(nodes)} does not describe {world} virtual ranks on one "
+                "node (they are threads of one process); purlin's plans run inside one node")
         self.gate = None
         if device.type == "cuda":
             from .memory.loopback import LoopbackWorld

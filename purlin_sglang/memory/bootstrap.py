@@ -27,6 +27,54 @@ from .layout import DeviceLayout, WorkspaceLayout
 OP = "Communicator"  # the name set-up errors start with
 
 
+def node_identity() -> str:
+    """This process's host: its name and, where Linux has one, its boot id (two hosts of one name
+    still differ)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+
+
+def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> tuple[int, ...]:
+    """The node id of every rank of ``group`` (the first set-up phase; collective): the config's
+    ``topology.node_of_rank`` where set (equal on every rank), else the ranks' hosts numbered in
+    rank order of first appearance. A group on more than one node raises PurlinUnavailableError on
+    every rank, naming the nodes: purlin's plans run inside one node."""
+    seen = setup_phase.gather_status(group, world, ("ok", (node_identity(), configured)), OP)
+    hosts = [s[1][0] for s in seen]
+    given = [s[1][1] for s in seen]
+    if any(g != given[0] for g in given):
+        raise PurlinConfigError(f"{OP}: the ranks disagree on topology.node_of_rank: {given} (rank order); "
+                                "every rank needs the same config")
+    if given[0] is not None:
+        nodes = tuple(int(n) for n in given[0])
+        if len(nodes) != world:
+            raise PurlinConfigError(f"{OP}: topology.node_of_rank has {len(nodes)} entries, the group has {world} "
+                                    "ranks; give one node id per rank")
+        how = "topology.node_of_rank"
+    else:
+        ids: dict[str, int] = {}
+        nodes = tuple(ids.setdefault(h, len(ids)) for h in hosts)
+        how = "the ranks' hosts"
+    if len(set(nodes)) > 1:
+        by_node: dict[int, list[int]] = {}
+        for r, n in enumerate(nodes):
+            by_node.setdefault(n, []).append(r)
+        where = "; ".join(f"node {n}: ranks {rs}" + ("" if how != "the ranks' hosts" else
+                                                      f" on {hosts[rs[0]].split('/')[0]}")
+                          for n, rs in sorted(by_node.items()))
+        raise PurlinUnavailableError(
+            f"{OP}: the group spans {len(by_node)} nodes ({where}; from {how}); purlin's plans run inside one "
+            "node: make one Communicator per node (a group of that node's ranks) and use torch.distributed "
+            "between nodes (plans that cross nodes are planned: docs/DESIGN.md, Planned)")
+    return nodes
+
+
 def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,
                     shm_dir: str = SHM_DIR, device_index: int = 0) -> Any:
     """This rank's workspace on provider ``memory`` (``host`` or a GPU provider's name: memory/providers.py)."""
