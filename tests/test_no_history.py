@@ -25,6 +25,7 @@ ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|el
 TEXT_PATTERNS = (
     ("'session'", re.compile(r"\bsession\b", re.I)),
     ("'call N-M'", re.compile(r"\bcall \d+-\d+\b", re.I)),
+    ("a numbered device call", re.compile(r"\bcall \d+ \(\d|\bof call \d+\b", re.I)),
     ("'issue N'", re.compile(r"\bissue \d+\b", re.I)),
     ("an ordinal session", re.compile(rf"\b(?:{ORDINALS})[ -]session", re.I)),
     ("'not yet run'", re.compile(r"\bnot yet run\b", re.I)),
@@ -106,6 +107,8 @@ _SESSION_WORD = "ses" + "sion"
     f"measured in the ninth {_SESSION_WORD} on the H200",
     f"the Tenth {_SESSION_WORD.title()}'s table",
     "call 10" + "-3 returned 56 rows",
+    "call 4" + " (05:19-05:26 UTC, 421 s): STEPS=setup",
+    "against the reference of call" + " 5",
     "see issue" + " 16 for the targets",
     "a GPU test, written, not yet" + " run",
     f"the {_SESSION_WORD}'s device time",
@@ -118,6 +121,7 @@ def test_each_pattern_is_found(line):
     "NVSHMEM is process-global, so this module keeps one NVSHMEM session per process",
     "start_new_session=True",
     "a call of 10-20 us",
+    "rank 1 rejects call 1; call 2 then meets on every rank",
     "this issue is a user error",
     "a kernel that cannot run at all",
 ])
