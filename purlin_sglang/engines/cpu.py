@@ -47,6 +47,11 @@ def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int)
             "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
 
 
+def _pause(polls: int) -> None:
+    """Between two polls of a peer's word: a yield for the first 64, then a sleep growing to 1 ms."""
+    time.sleep(0 if polls < 64 else min(1e-3, 1e-6 * polls))
+
+
 class CpuEngine:
     """The CPU reference engine (implements :class:`~.base.Engine`): calls block the host until done."""
 
@@ -143,7 +148,7 @@ class CpuEngine:
                 if time.monotonic() > deadline:
                     return  # a peer that never comes times out on its own
                 polls += 1
-                time.sleep(0 if polls < 64 else min(1e-3, 1e-6 * polls))
+                _pause(polls)
 
     def _meet(self, ctx: CallContext, sched: Schedule, verified: set) -> None:
         """Every peer's descriptor of this call read (and checked) before any data moves; raise a
@@ -200,7 +205,7 @@ class CpuEngine:
                     "the communicator is now broken",
                     op=ctx.op, rank=self.rank, missing=missing))
             polls += 1
-            time.sleep(0 if polls < 64 else min(1e-3, 1e-6 * polls))
+            _pause(polls)
 
     # -- execution ---------------------------------------------------------------------------
     def _view(self, span: Span, ctx: CallContext) -> torch.Tensor:

@@ -51,23 +51,22 @@ def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> tuple[in
     if any(g != given[0] for g in given):
         raise PurlinConfigError(f"{OP}: the ranks disagree on topology.node_of_rank: {given} (rank order); "
                                 "every rank needs the same config")
-    if given[0] is not None:
+    from_hosts = given[0] is None
+    if from_hosts:
+        ids: dict[str, int] = {}
+        nodes = tuple(ids.setdefault(h, len(ids)) for h in hosts)
+    else:
         nodes = tuple(int(n) for n in given[0])
         if len(nodes) != world:
             raise PurlinConfigError(f"{OP}: topology.node_of_rank has {len(nodes)} entries, the group has {world} "
                                     "ranks; give one node id per rank")
-        how = "topology.node_of_rank"
-    else:
-        ids: dict[str, int] = {}
-        nodes = tuple(ids.setdefault(h, len(ids)) for h in hosts)
-        how = "the ranks' hosts"
     if len(set(nodes)) > 1:
         by_node: dict[int, list[int]] = {}
         for r, n in enumerate(nodes):
             by_node.setdefault(n, []).append(r)
-        where = "; ".join(f"node {n}: ranks {rs}" + ("" if how != "the ranks' hosts" else
-                                                      f" on {hosts[rs[0]].split('/')[0]}")
+        where = "; ".join(f"node {n}: ranks {rs}" + (f" on {hosts[rs[0]].split('/')[0]}" if from_hosts else "")
                           for n, rs in sorted(by_node.items()))
+        how = "the ranks' hosts" if from_hosts else "topology.node_of_rank"
         raise PurlinUnavailableError(
             f"{OP}: the group spans {len(by_node)} nodes ({where}; from {how}); purlin's plans run inside one "
             "node: make one Communicator per node (a group of that node's ranks) and use torch.distributed "
