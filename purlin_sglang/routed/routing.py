@@ -12,6 +12,7 @@ which every rank of the group agrees on (for the V forms: the sum over ranks).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,6 +67,12 @@ class RoutingTable(ConfigModel):
 
 REDUCE_OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_v")
 UNBOUNDED = 1 << 62
+
+
+def env_on(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to 1, true, yes or on (any case): how the
+    frameworks' switches of deterministic (batch-invariant) inference are read."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def for_deterministic_inference(table: RoutingTable) -> tuple[RoutingTable, list[str]]:

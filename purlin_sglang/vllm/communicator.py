@@ -40,13 +40,26 @@ class PurlinRoutes:
         if self.purlin is not None:
             self.purlin.fallbacks[(op, reason)] += 1
 
+    def _along_dim0(self, op: str, input_: Any, dim: int) -> bool:
+        """Whether purlin may take a V form's call: a tensor of at least one dimension, along dim 0
+        (otherwise the decline is counted, as ``not a tensor`` or ``dim``, and vLLM's path runs)."""
+        if self.purlin is None:
+            return False
+        if not isinstance(input_, torch.Tensor) or input_.dim() < 1:
+            self._declined(op, "not a tensor")
+            return False
+        if _axis(dim, input_) != 0:
+            self._declined(op, "dim")
+            return False
+        return True
+
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         out = self.purlin.all_reduce(input_) if self.purlin is not None else None
         return out if out is not None else super().all_reduce(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.purlin is not None and input_.dim() >= 1:
-            d = dim + input_.dim() if dim < 0 else dim
+            d = _axis(dim, input_)
             size = input_.size()
             out = torch.empty((size[0] * self.world_size,) + tuple(size[1:]), dtype=input_.dtype, device=input_.device)
             if self.purlin.all_gather(out, input_) is not None:  # dim 0, rank order; then vLLM's own reshape
@@ -56,7 +69,7 @@ class PurlinRoutes:
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.purlin is not None and self.world_size > 1 and input_.dim() >= 1:
-            d = dim + input_.dim() if dim < 0 else dim
+            d = _axis(dim, input_)
             x = input_.movedim(0, d).contiguous()  # as DeviceCommunicatorBase.reduce_scatter
             if x.shape[0] % self.world_size == 0:
                 out = torch.empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -65,25 +78,17 @@ class PurlinRoutes:
         return super().reduce_scatter(input_, dim)
 
     def all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[list[int]] = None) -> Any:
-        if self.purlin is not None:
-            if not isinstance(input_, torch.Tensor) or input_.dim() < 1:
-                self._declined("all_gather_v", "not a tensor")
-            elif (dim + input_.dim() if dim < 0 else dim) != 0:
-                self._declined("all_gather_v", "dim")
-            else:
-                out = self.purlin.all_gather_v(input_, sizes)
-                if out is not None:
-                    return out
+        if self._along_dim0("all_gather_v", input_, dim):
+            out = self.purlin.all_gather_v(input_, sizes)
+            if out is not None:
+                return out
         return super().all_gatherv(input_, dim, sizes)
 
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: Optional[list[int]] = None) -> torch.Tensor:
-        if self.purlin is not None and input_.dim() >= 1:
-            if (dim + input_.dim() if dim < 0 else dim) != 0:
-                self._declined("reduce_scatter_v", "dim")
-            else:
-                out = self.purlin.reduce_scatter_v(input_, sizes)
-                if out is not None:
-                    return out
+        if self._along_dim0("reduce_scatter_v", input_, dim):
+            out = self.purlin.reduce_scatter_v(input_, sizes)
+            if out is not None:
+                return out
         return super().reduce_scatterv(input_, dim, sizes)
 
     def destroy(self) -> None:
@@ -91,3 +96,8 @@ class PurlinRoutes:
             routed, self.purlin = self.purlin, None
             routed.destroy()
         super().destroy()
+
+
+def _axis(dim: int, t: torch.Tensor) -> int:
+    """``dim`` of ``t`` as a non-negative index (as vLLM's communicators read a negative one)."""
+    return dim + t.dim() if dim < 0 else dim

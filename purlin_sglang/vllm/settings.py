@@ -4,11 +4,11 @@ Imports nothing of vLLM at module import time."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from ..errors import PurlinConfigError, PurlinPluginError
 from ..routed import PluginConfig
+from ..routed.routing import env_on
 
 SUPPORTED_VLLM = "0.33.0"
 KEY = "purlin"  # the key of vLLM's additional_config that switches purlin on
@@ -40,7 +40,7 @@ def plugin_config(vllm_config: Any) -> Optional[PluginConfig]:
 def batch_invariant() -> bool:
     """True when vLLM runs batch-invariant (``VLLM_BATCH_INVARIANT=1``): purlin then keeps every
     enabled reduction at every size (its reductions have one fixed order)."""
-    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_on("VLLM_BATCH_INVARIANT")
 
 
 def check_vllm() -> str:
