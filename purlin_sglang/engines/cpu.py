@@ -109,7 +109,7 @@ class CpuEngine:
         if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
             return True
         if fp == REJECTED:  # the peer rejected its arguments: its reject words say why (written before)
-            r = lay.reject_offset(peer)
+            r = lay.reject_offset(peer, ctx.seq % RING)
             text = words_text(w[r + 2: r + REJECT_WORDS]) if int(w[r]) == ctx.seq else ""
             if text and int(w[r + 1]) > 8 * (REJECT_WORDS - 2):
                 text += " [...]"  # cut to the reject words
@@ -131,7 +131,7 @@ class CpuEngine:
         w, lay, me = self.ws.words, self.layout, self.rank
         if w is None:
             return
-        r = lay.reject_offset(me)
+        r = lay.reject_offset(me, seq % RING)
         text = text_words(message, REJECT_WORDS - 2)
         w[r] = seq
         w[r + 1] = len(message.encode("utf-8"))

@@ -12,9 +12,11 @@ Per rank ``r`` (int64 words unless said otherwise):
 * ``state[r]``: 0 healthy, 1 broken (a peer can stop waiting for a broken rank).
 * ``notify[p][c][i]``: chunks producer ``p`` staged in item ``i`` for consumer ``c``.
 * ``ack[p][c][i]``: chunks consumer ``c`` drained from producer ``p``'s item ``i``.
-* ``reject[r]``: ``REJECT_WORDS`` words, ``[seq, nbytes, text...]``: why rank ``r`` rejected its own
-  arguments of call ``seq`` (UTF-8, at most ``REJECT_TEXT_BYTES``), written before its descriptor of
-  that call, which then carries the fingerprint ``REJECTED``.
+* ``reject[r][slot]``: a ring of ``RING`` entries of ``REJECT_WORDS`` words, ``[seq, nbytes,
+  text...]``: why rank ``r`` rejected its own arguments of call ``seq`` (slot ``seq % RING``; UTF-8,
+  at most ``REJECT_TEXT_BYTES``), written before its descriptor of that call, which then carries the
+  fingerprint ``REJECTED``. A ring, so that a rank rejecting calls in a row does not overwrite the
+  words of a call a peer has entered but not yet read.
 * ``staging[r]``: ``staging_bytes`` bytes, 4096-aligned.
 """
 
@@ -91,12 +93,12 @@ class WorkspaceLayout(_RankLayout):
     def reject_base(self) -> int:
         return self.ack_base + self.world * self.world * self.max_items
 
-    def reject_offset(self, rank: int) -> int:
-        return self.reject_base + rank * REJECT_WORDS
+    def reject_offset(self, rank: int, slot: int) -> int:
+        return self.reject_base + (rank * RING + slot) * REJECT_WORDS
 
     @property
     def signal_words(self) -> int:
-        return self.reject_base + self.world * REJECT_WORDS
+        return self.reject_base + self.world * RING * REJECT_WORDS
 
     # byte offsets
     @property
