@@ -12,7 +12,8 @@ from .config import PurlinConfig
 from .moe import MoEDispatch
 from .errors import (
     PurlinBrokenError, PurlinCapacityError, PurlinClosedError, PurlinConfigError, PurlinError, PurlinMismatchError,
-    PurlinPlanError, PurlinRejectedError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError,
+    PurlinPlanError, PurlinRejectedError, PurlinTimeoutError, PurlinTopologyError, PurlinUnavailableError,
+    PurlinValueError,
 )
 
 __version__ = "0.1.0"
@@ -21,5 +22,6 @@ __all__ = [
     "Communicator", "run_virtual", "PurlinConfig", "CATALOG", "CollectiveSpec", "Consume", "Layout",
     "ReduceOp", "PurlinError", "PurlinValueError", "PurlinConfigError", "PurlinPlanError",
     "PurlinUnavailableError", "PurlinClosedError", "PurlinBrokenError", "PurlinTimeoutError",
-    "PurlinMismatchError", "PurlinCapacityError", "PurlinRejectedError", "MoEDispatch", "__version__",
+    "PurlinMismatchError", "PurlinCapacityError", "PurlinRejectedError", "PurlinTopologyError", "MoEDispatch",
+    "__version__",
 ]

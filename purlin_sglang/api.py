@@ -58,8 +58,13 @@ class Communicator:
             self.device = torch.device("cuda", self.device.index if self.device.index is not None
                                        else torch.cuda.current_device())
         with setup_phase.bounded(self.config.timeouts.setup_s):  # every set-up wait ends within timeout_s
-            # one node, or every rank raises naming the nodes (before any shared memory is made)
-            self._nodes = bootstrap.node_of_rank(group, rank, world, self.config.topology.node_of_rank)
+            layout = bootstrap.node_of_rank(group, rank, world, self.config.topology.node_of_rank)
+            self._nodes = layout.nodes
+            if layout.count > 1:  # two levels: purlin inside each node, torch.distributed between
+                from .multinode.communicator import become
+
+                become(self, group, rank, world, layout)
+                return
             ws = bootstrap.group_workspace(self.memory, group, rank, world,
                                            region_bytes(self.config.staging_bytes, self.config.symmetric_bytes),
                                            shm_dir=self.config.shm_dir, device_index=self.device.index or 0)
@@ -127,7 +132,7 @@ class Communicator:
     @property
     def node_of_rank(self) -> tuple[int, ...]:
         """The node id of every rank of the group (config ``topology.node_of_rank``, else the ranks'
-        hosts): all 0 today, since a group on more than one node is refused at construction."""
+        hosts). A group on several nodes runs its collectives in two levels (purlin_sglang.multinode)."""
         return self._nodes
 
     @property

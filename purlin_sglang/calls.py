@@ -50,6 +50,18 @@ class CacheInfo(NamedTuple):
     maxsize: int
 
 
+class Checked(NamedTuple):
+    """A call whose arguments passed :meth:`CallPath.check`: its name, reduction (``consume`` with the
+    op), row counts per input and output slice on this rank, output shape, and output tensor."""
+
+    name: str
+    consume: Any
+    in_rows: tuple
+    out_rows: tuple
+    out_shape: tuple
+    out: torch.Tensor
+
+
 class Call:
     """A validated call of one shape: what running it again needs besides the tensors."""
 
@@ -240,9 +252,10 @@ class CallPath:
         return call, out
 
     # -- the full path ------------------------------------------------------------------------
-    def prepare(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any,
-                key: tuple | None) -> tuple[Call, torch.Tensor]:
-        """Every check, planning and lowering (cached); ``key`` (if not None) files the call in the cache."""
+    def check(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any,
+              out_splits: Any) -> Checked:
+        """Every argument check of a call (no planning): what it names, its row counts and its output
+        tensor (``out``, or a new one), or a PurlinValueError starting with the collective's name."""
         name = spec.name if isinstance(spec, CollectiveSpec) else "run"
         if not isinstance(spec, CollectiveSpec):
             raise PurlinValueError(f"run: spec must be a CollectiveSpec, got {type(spec).__name__}")
@@ -272,6 +285,13 @@ class CallPath:
         if x.dim() == 0 and spec.output.sliced:
             raise PurlinValueError(f"{name}: x must have at least one dimension")
         out = self._check_out(spec, name, x, out, out_shape)
+        return Checked(name, consume, in_rows, out_rows, out_shape, out)
+
+    def prepare(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any,
+                key: tuple | None) -> tuple[Call, torch.Tensor]:
+        """Every check, planning and lowering (cached); ``key`` (if not None) files the call in the cache."""
+        name, consume, in_rows, out_rows, out_shape, out = self.check(spec, x, out, op, root, in_splits, out_splits)
+        rest = tuple(x.shape[1:])
         row_bytes = x.element_size() * (int(torch.Size(rest).numel()) if x.dim() else 1)
         sizes = Sizes(tuple(r * row_bytes for r in in_rows), tuple(r * row_bytes for r in out_rows))
         nbytes = sum(sizes.input)

@@ -65,16 +65,20 @@ class MoESettings(ConfigModel):
 
 
 class TopologySettings(ConfigModel):
-    """The ``topology:`` section: which node each rank of a group runs on.
+    """The ``topology:`` section: which node each rank of a group runs on, and what joins the nodes.
 
     * ``node_of_rank`` (unset): one node id (an int >= 0) per rank of the group, the same list on
-      every rank; unset, the ranks' hosts decide (ranks on one host are one node). purlin's plans
-      run inside one node today, so a group whose ranks are on more than one node is refused at
-      construction with an error that names the nodes (plans that cross nodes are planned). Set, it
-      lets a test pretend a layout of nodes on one host.
+      every rank; unset, the ranks' hosts decide (ranks on one host are one node). Set, it lets a
+      test pretend a layout of nodes on one host.
+    * ``inter_node`` (``auto``): the engine between nodes of a group that spans several
+      (docs/MULTINODE.md): purlin runs inside each node and torch.distributed, on groups it creates,
+      between them. ``auto``: NCCL for a CUDA communicator, gloo for a CPU one; ``nccl`` or ``gloo``:
+      that backend; ``off``: a group on several nodes is refused at construction with an error that
+      names the nodes. Every node must hold the same number of ranks of the group.
     """
 
     node_of_rank: Optional[tuple[int, ...]] = None
+    inter_node: Literal["auto", "nccl", "gloo", "off"] = "auto"
 
     @field_validator("node_of_rank")
     @classmethod

@@ -41,6 +41,12 @@ class PurlinUnavailableError(PurlinError, RuntimeError):
     """A requested engine, provider or native feature is not present; the message says what is missing."""
 
 
+class PurlinTopologyError(PurlinUnavailableError):
+    """A group spans several nodes and cannot run across them (``topology.inter_node`` is ``off``, its
+    backend is missing, or the nodes hold different numbers of ranks); the message names the nodes.
+    Frameworks' plugins catch it to keep their own path for that group."""
+
+
 class PurlinClosedError(PurlinError, RuntimeError):
     """The communicator was closed; create a new one."""
 
@@ -126,6 +132,7 @@ __all__ = [
     "PurlinConfigError",
     "PurlinPlanError",
     "PurlinUnavailableError",
+    "PurlinTopologyError",
     "PurlinClosedError",
     "PurlinBrokenError",
     "PurlinCudaError",

@@ -36,6 +36,13 @@ def reduce_ref(tensors: Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor
     return acc.to(dtype)
 
 
+def two_level_reduce(tensors: Sequence[torch.Tensor], nodes: Sequence[int], op: str = "sum") -> torch.Tensor:
+    """The defined reduction of a group on several nodes (``nodes[r]``: rank r's node id): each node's
+    ranks reduced in rank order (:func:`reduce_ref`), then the node results in ascending node id."""
+    return reduce_ref([reduce_ref([t for t, n in zip(tensors, nodes) if n == node], op)
+                       for node in sorted(set(nodes))], op)
+
+
 def all_reduce(xs, r: int, op: str = "sum") -> torch.Tensor:
     return reduce_ref(xs, op)
 
@@ -90,5 +97,5 @@ def scatter(xs, r: int, root: int, sizes: Sequence[int] | None = None) -> torch.
     return xs[root][r * rows:(r + 1) * rows].clone()
 
 
-__all__ = ["reduce_ref", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v",
+__all__ = ["reduce_ref", "two_level_reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_v",
            "reduce_scatter_v", "all_to_all_v", "broadcast", "gather", "reduce", "scatter"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..errors import PurlinConfigError, PurlinUnavailableError
+from ..multinode.layout import NodeLayout, from_hosts
 from . import providers, setup_phase
 from .host import SHM_DIR, HostWorkspace, shared_path, unlink_shared
 from .layout import DeviceLayout, WorkspaceLayout
@@ -40,38 +41,24 @@ def node_identity() -> str:
     return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
-def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> tuple[int, ...]:
-    """The node id of every rank of ``group`` (the first set-up phase; collective): the config's
+def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> NodeLayout:
+    """The node of every rank of ``group`` (the first set-up phase; collective): the config's
     ``topology.node_of_rank`` where set (equal on every rank), else the ranks' hosts numbered in
-    rank order of first appearance. A group on more than one node raises PurlinUnavailableError on
-    every rank, naming the nodes: purlin's plans run inside one node."""
+    rank order of first appearance. What a layout of several nodes runs is the caller's choice
+    (:mod:`purlin_sglang.multinode`)."""
     seen = setup_phase.gather_status(group, world, ("ok", (node_identity(), configured)), OP)
     hosts = [s[1][0] for s in seen]
     given = [s[1][1] for s in seen]
     if any(g != given[0] for g in given):
         raise PurlinConfigError(f"{OP}: the ranks disagree on topology.node_of_rank: {given} (rank order); "
                                 "every rank needs the same config")
-    from_hosts = given[0] is None
-    if from_hosts:
-        ids: dict[str, int] = {}
-        nodes = tuple(ids.setdefault(h, len(ids)) for h in hosts)
-    else:
-        nodes = tuple(int(n) for n in given[0])
-        if len(nodes) != world:
-            raise PurlinConfigError(f"{OP}: topology.node_of_rank has {len(nodes)} entries, the group has {world} "
-                                    "ranks; give one node id per rank")
-    if len(set(nodes)) > 1:
-        by_node: dict[int, list[int]] = {}
-        for r, n in enumerate(nodes):
-            by_node.setdefault(n, []).append(r)
-        where = "; ".join(f"node {n}: ranks {rs}" + (f" on {hosts[rs[0]].split('/')[0]}" if from_hosts else "")
-                          for n, rs in sorted(by_node.items()))
-        how = "the ranks' hosts" if from_hosts else "topology.node_of_rank"
-        raise PurlinUnavailableError(
-            f"{OP}: the group spans {len(by_node)} nodes ({where}; from {how}); purlin's plans run inside one "
-            "node: make one Communicator per node (a group of that node's ranks) and use torch.distributed "
-            "between nodes (plans that cross nodes are planned: docs/DESIGN.md, Planned)")
-    return nodes
+    if given[0] is None:
+        return from_hosts(hosts)
+    nodes = tuple(int(n) for n in given[0])
+    if len(nodes) != world:
+        raise PurlinConfigError(f"{OP}: topology.node_of_rank has {len(nodes)} entries, the group has {world} "
+                                "ranks; give one node id per rank")
+    return NodeLayout(nodes)
 
 
 def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,

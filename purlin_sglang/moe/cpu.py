@@ -9,6 +9,9 @@ token once per destination rank; Expand and WeightedReduce are local. Blocks the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import torch
 
 from .dispatch import MoEDispatch
@@ -16,7 +19,7 @@ from .engine import MoEContext
 from .exchange import CountExchange, raise_rejected, status_words
 from .namings import MOE_COMBINE, MOE_DISPATCH
 from .plan import MoEPlan, make_moe_plan
-from .routing import quantize_fp8, route
+from .routing import Route, quantize_fp8, route
 
 
 def combine_status(ctx: MoEContext, error: Exception | None = None) -> None:
@@ -26,18 +29,34 @@ def combine_status(ctx: MoEContext, error: Exception | None = None) -> None:
     raise_rejected(MOE_COMBINE.name, got.view(ctx.world, -1), error)
 
 
-def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor,
-             ws: torch.Tensor) -> MoEDispatch:
-    world, me, local, e_n = ctx.world, ctx.rank, plan.local_experts, plan.num_experts
-    t_n, k_n = ids.shape
+@dataclass
+class Routed:
+    """A dispatch after its prologue: the route, the payload rows, the count matrix [W, E] and the
+    tokens matrix [W, W] (``tokens[p, d]``: tokens rank p sends to rank d), and the packed rows this
+    rank sends, one per (destination rank, token) in that order (``d_of``, ``t_of``): a header of
+    ``2K + 2`` int64 words (token, local expert and index per slot, the scale's bits), then the payload."""
+
+    r: Route
+    payload: torch.Tensor
+    scales: Optional[torch.Tensor]
+    matrix: torch.Tensor
+    tokens: torch.Tensor
+    d_of: torch.Tensor
+    t_of: torch.Tensor
+    packed: torch.Tensor
+
+
+def prologue(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor) -> Routed:
+    """Route, quantise, the count exchange (every rank raises alike for a bad call), and pack the rows."""
+    world, e_n = ctx.world, plan.num_experts
+    t_n = ids.shape[0]
     hidden = x.shape[1]
-    # Route (source prologue)
     r = route(ids, e_n, world)
     payload, scales = (quantize_fp8(x) if plan.quant == "fp8" else (x, None))
     # CountExchange: header agreement, then counts per global expert and tokens per destination rank
     both = exchange.run(x, ids, e_n, plan.capacity, plan.quant, torch.cat([r.counts, r.tokens_to]))
     matrix, tokens = both[:, :e_n], both[:, e_n:]
-    # PutRows: each token once per destination rank, in (rank, token) order, header + payload bytes
+    # PutRows' rows: each token once per destination rank, in (rank, token) order, header + payload bytes
     pairs = r.to_rank.t().nonzero()  # (d, t), d-major then t: the send order
     d_of, t_of = pairs[:, 0], pairs[:, 1]
     hdr_le = torch.where(r.dst[t_of] == d_of[:, None], r.le[t_of], -1)
@@ -48,8 +67,32 @@ def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.T
     body = payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n else torch.empty(0, row_bytes, dtype=torch.uint8)
     packed = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * header.shape[1]),
                         body.reshape(len(t_of), row_bytes)], 1)
-    recv = ctx.all_to_all_v(packed.contiguous(), r.tokens_to.tolist(), tokens[:, me].tolist())
-    # Expand: one row per (token, slot), at group(le) + offset(source, le) + j
+    return Routed(r, payload, scales, matrix, tokens, d_of, t_of, packed.contiguous())
+
+
+def put_rows(ctx: MoEContext, routed: Routed) -> tuple[torch.Tensor, torch.Tensor]:
+    """PutRows in one all_to_all_v: (the packed rows received, the source rank of each)."""
+    me, tokens = ctx.rank, routed.tokens
+    recv = ctx.all_to_all_v(routed.packed, routed.r.tokens_to.tolist(), tokens[:, me].tolist())
+    return recv, torch.repeat_interleave(torch.arange(ctx.world), tokens[:, me])
+
+
+def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor,
+             ws: torch.Tensor, put: Callable = put_rows) -> MoEDispatch:
+    """The prologue, PutRows (``put``: rows and their source ranks; one all_to_all_v by default), then
+    Expand."""
+    routed = prologue(ctx, exchange, plan, x, ids)
+    recv, src = put(ctx, routed)
+    return expand(ctx, plan, routed, recv, src, x.shape[1], ws)
+
+
+def expand(ctx: MoEContext, plan: MoEPlan, routed: Routed, recv: torch.Tensor, src: torch.Tensor, hidden: int,
+           ws: torch.Tensor) -> MoEDispatch:
+    """Expand: one row per (token, slot) received, at group(le) + offset(source, le) + j."""
+    world, me, local, e_n = ctx.world, ctx.rank, plan.local_experts, plan.num_experts
+    r, payload, matrix = routed.r, routed.payload, routed.matrix
+    t_n, k_n = r.dst.shape
+    row_bytes = payload.element_size() * hidden
     hw = 2 * k_n + 2
     n_recv = recv.shape[0]
     rh = recv[:, : hw * 8].reshape(-1).view(torch.int64).reshape(n_recv, hw)
@@ -64,7 +107,6 @@ def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.T
     else:
         base = torch.arange(local, dtype=torch.int64) * (world * plan.capacity)
         total = local * world * plan.capacity
-    src = torch.repeat_interleave(torch.arange(world), tokens[:, me])  # source rank of each received token
     le, j = rh[:, 1:1 + k_n], rh[:, 1 + k_n:1 + 2 * k_n]
     tok_i, k_i = (le >= 0).nonzero(as_tuple=True)
     lev = le[tok_i, k_i]

@@ -1,0 +1,315 @@
+"""A Communicator whose group spans nodes: every collective in two levels.
+
+:func:`become` turns a :class:`~purlin_sglang.Communicator` under construction into a
+:class:`MultiNodeCommunicator` once its ranks were found on several nodes. It then holds ``local``,
+a purlin Communicator of its node's L ranks (the CPU or CUDA engine, as on one node), and ``link``,
+a :class:`~.cross.CrossLink` among the N ranks of its local index (torch.distributed). Each
+collective is a fixed sequence of stages on those two (docs/MULTINODE.md has the bytes of each):
+
+* all_reduce: reduce-scatter inside the node (purlin) -> all-gather of the node partials across
+  nodes -> reduction of the N partials in node order on each rank -> all-gather inside the node;
+* reduce_scatter(_v): reduce-scatter inside the node of the blocks ordered by local rank, then an
+  all-to-all of the node partials across nodes and their reduction in node order;
+* all_gather(_v): all-gather across nodes, then inside the node;
+* all_to_all(_v): inside the node to the rank of the destination's local index, then across nodes;
+* broadcast: across nodes among the root's local index, then inside each node.
+
+Reductions are two-level and fixed: inside a node in local rank order (purlin's defined order),
+then over nodes in node-id order, each level accumulating 16-bit floats in float32 and rounding to
+the dtype once (``purlin_sglang.reference.two_level_reduce``). Every rank gets bitwise the same
+result, independent of the batch size; for max and min it equals the one-node result, for sum in
+general it does not (a different association). The MoE exchange runs the CPU engine's MoE steps
+over these collectives (:mod:`.moe`). Host side: the call blocks as the CPU engine's calls do; on
+CUDA the stages are enqueued on the current stream (NCCL between nodes) and capturable in a CUDA
+graph, except all_to_all_v and the MoE exchange, which read row counts on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NoReturn, Optional
+
+import torch
+
+from .. import reference
+from ..api import Communicator
+from ..calls import CacheInfo, CallPath
+from ..collectives import CollectiveSpec
+from ..engines import closed_error
+from ..errors import PurlinError, PurlinMismatchError, PurlinUnavailableError, PurlinValueError
+from .cross import CrossLink, backend_for, make_groups
+from .layout import NodeLayout
+
+_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def become(comm: Communicator, group: Any, rank: int, world: int, layout: NodeLayout) -> None:
+    """Finish constructing ``comm`` as a :class:`MultiNodeCommunicator` of ``layout`` (collective over
+    ``group``); a group that cannot run across its nodes raises PurlinTopologyError on every rank."""
+    backend = backend_for(comm.config.topology.inter_node, comm.device, layout)  # the same answer on every rank
+    comm.__class__ = MultiNodeCommunicator
+    comm._init_nodes(group, rank, world, layout, backend)
+
+
+def reduce_nodes(parts: torch.Tensor, op: str, dtype: torch.dtype) -> torch.Tensor:
+    """The reduction of ``parts`` [N, ...] over dim 0 in order (16-bit floats accumulated in float32),
+    cast to ``dtype``: the second level of :func:`purlin_sglang.reference.two_level_reduce`."""
+    acc = parts[0].to(_ACC.get(dtype, dtype), copy=True)
+    for p in parts[1:]:
+        if op == "sum":
+            acc.add_(p)
+        elif op == "max":
+            torch.maximum(acc, p.to(acc.dtype), out=acc)
+        else:
+            torch.minimum(acc, p.to(acc.dtype), out=acc)
+    return acc.to(dtype)
+
+
+def _even(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` sizes, the first ``n % parts`` one larger."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+class MultiNodeCommunicator(Communicator):
+    """A :class:`~purlin_sglang.Communicator` over several nodes (made by ``Communicator(...)`` itself
+    when the group's ranks sit on several nodes; see the module). The same API and contracts, with
+    these differences: reductions are two-level (module docstring); ``algorithm`` answers
+    ``two-level``; ``symmetric_empty``, ``cache_info`` and ``tuning_info`` are the node stage's; a
+    spec outside the catalog raises PurlinUnavailableError; an argument error raises on the erring
+    rank only (its peers wait for it up to ``timeout_s``)."""
+
+    def _init_nodes(self, group: Any, rank: int, world: int, layout: NodeLayout, backend: str) -> None:
+        self.rank, self.world_size, self.group = rank, world, group
+        self.layout = layout
+        self.inter_node_backend = backend
+        self._node_index, self._local_rank = layout.place(rank)
+        self._moe = None
+        self._seq = 0
+        self._path = CallPath(rank, world, self.device, self.config, packets=False)
+        local_group, cross_group, cross_ranks = make_groups(group, layout, rank, backend, self.config.timeouts.setup_s)
+        cfg = self.config.model_copy(update={"topology": self.config.topology.model_copy(
+            update={"node_of_rank": (0,) * layout.local_size})})
+        self.local = Communicator(local_group, self.device, cfg)
+        self.link = CrossLink(cross_group, self._node_index, cross_ranks)
+        self._groups = (local_group, cross_group)
+        self.engine_name = f"{self.local.engine_name}+{backend}"
+        self._closed = False
+        from .moe import make_moe
+
+        self._moe = make_moe(self)
+
+    # -- what the node stage answers ----------------------------------------------------------
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self._closed else self.local.workspace_bytes
+
+    @property
+    def hbm_bytes(self) -> int:
+        return 0 if self._closed else self.local.hbm_bytes
+
+    @property
+    def moe_hbm_bytes(self) -> int:
+        return 0
+
+    def moe_trace(self) -> None:
+        """None: the two-level MoE exchange has no kernel phases."""
+        self._check_usable("moe_trace")
+        return None
+
+    def symmetric_empty(self, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self._check_usable("symmetric_empty")
+        return self.local.symmetric_empty(shape, dtype)
+
+    def cache_info(self) -> CacheInfo:
+        return self.local.cache_info()
+
+    def algorithm(self, collective: str | CollectiveSpec, nbytes: int | None) -> str:
+        self._path.select(collective, nbytes)  # the same argument checks
+        return "two-level"
+
+    def tuning_info(self):
+        return self.local.tuning_info()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "ready"
+        return (f"MultiNodeCommunicator(rank={self.rank}, world_size={self.world_size}, nodes={self.layout.count}, "
+                f"device={self.device}, engine={self.engine_name}, {state})")
+
+    # -- the call path -----------------------------------------------------------------------
+    def _announce(self, op: str, error: PurlinValueError) -> NoReturn:
+        raise error
+
+    def _check_usable(self, name: str) -> None:
+        if self._closed:
+            raise closed_error(name, self._broken_reason)
+        if self.local.closed:
+            self._broken_reason = self.local._broken_reason or "its node stage was closed"
+            self._closed = True
+            raise closed_error(name, self._broken_reason)
+
+    def _run(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any) -> torch.Tensor:
+        name = spec.name if isinstance(spec, CollectiveSpec) else "run"
+        self._check_usable(name)
+        c = self._path.check(spec, x, out, op, root, in_splits, out_splits)
+        stage = _STAGES.get(spec.name) if _catalog(spec) else None
+        if stage is None:
+            raise PurlinUnavailableError(
+                f"{c.name}: a collective outside the catalog cannot run across nodes yet (the group spans "
+                f"{self.layout.count} nodes); run it on a Communicator of one node")
+        self._seq += 1
+        try:
+            res = stage(self, x, c, root)
+        except PurlinError:
+            self._check_usable(name)  # a stage that broke its engine closes this communicator
+            raise
+        if res is not c.out:
+            c.out.copy_(res.reshape(c.out.shape))
+        return c.out
+
+    # -- stages ------------------------------------------------------------------------------
+    def _all_reduce(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        op = c.consume.reduce.value
+        flat = x.reshape(-1)
+        parts = _even(flat.numel(), self.layout.local_size)
+        shard = self.local.reduce_scatter_v(flat, parts, op)
+        res = reduce_nodes(self.link.all_gather(shard).view(self.layout.count, -1), op, x.dtype)
+        return self.local.all_gather_v(res, parts)
+
+    def _order(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Blocks in rank order -> in local-major order (:meth:`NodeLayout.local_major`)."""
+        return [blocks[r] for r in self.layout.local_major()]
+
+    def _reduce_scatter(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        return self._reduce_scatter_sizes(x, c, [x.shape[0] // self.world_size] * self.world_size)
+
+    def _reduce_scatter_v(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        return self._reduce_scatter_sizes(x, c, list(c.in_rows))
+
+    def _reduce_scatter_sizes(self, x: torch.Tensor, c, sizes: list[int]) -> torch.Tensor:
+        op = c.consume.reduce.value
+        lay, n, li = self.layout, self.layout.count, self._local_rank
+        xb = torch.cat(self._order(list(x.split(sizes)))) if x.shape[0] else x
+        local_sizes = [sum(sizes[lay.rank_at(m, j)] for m in range(n)) for j in range(lay.local_size)]
+        partial = self.local.reduce_scatter_v(xb, local_sizes, op)  # blocks for ranks (m, li), m in order
+        send = [sizes[lay.rank_at(m, li)] for m in range(n)]
+        mine = sizes[self.rank]
+        got = self.link.all_to_all(partial, send, [mine] * n)
+        return reduce_nodes(got.view((n, mine) + tuple(x.shape[1:])), op, x.dtype)
+
+    def _all_gather(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        return self._gather_sizes(x, [x.shape[0]] * self.world_size)
+
+    def _all_gather_v(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        return self._gather_sizes(x, list(c.out_rows))
+
+    def _gather_sizes(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        lay, n, li = self.layout, self.layout.count, self._local_rank
+        mine = [sizes[lay.rank_at(m, li)] for m in range(n)]
+        top = max(mine)
+        if top != x.shape[0]:  # pad to the largest of my local index's rows, to gather equal blocks
+            x = torch.cat([x, x.new_empty((top - x.shape[0],) + tuple(x.shape[1:]))])
+        across = self.link.all_gather(x)
+        if top != min(mine):
+            across = torch.cat([b[:k] for b, k in zip(across.split(top), mine)])
+        local_sizes = [sum(sizes[lay.rank_at(m, j)] for m in range(n)) for j in range(lay.local_size)]
+        allg = self.local.all_gather_v(across, local_sizes)
+        order = lay.local_major()
+        blocks = allg.split([sizes[r] for r in order])
+        by_rank: list[Optional[torch.Tensor]] = [None] * self.world_size
+        for r, b in zip(order, blocks):
+            by_rank[r] = b
+        return torch.cat(by_rank)
+
+    def _all_to_all(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        rows = x.shape[0] // self.world_size
+        return self._exchange(x, [rows] * self.world_size, [rows] * self.world_size)
+
+    def _all_to_all_v(self, x: torch.Tensor, c, root) -> torch.Tensor:
+        return self._exchange(x, list(c.in_rows), list(c.out_rows))
+
+    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """all_to_all_v in two hops: inside the node to the local rank of each destination, then across
+        nodes. Every rank first learns every rank's splits (one two-level all_gather of 2W ints), so a
+        disagreement raises PurlinMismatchError on every rank before any row moves."""
+        lay, n, w, size = self.layout, self.layout.count, self.world_size, self.layout.local_size
+        me, li = self.rank, self._local_rank
+        mat = self._gather_sizes(torch.tensor([send + recv], dtype=torch.int64, device=self.device), [1] * w)
+        mat = mat.cpu().tolist()
+        s = [row[:w] for row in mat]  # s[p][q]: rows p sends to q
+        for p in range(w):
+            for q in range(w):
+                if s[p][q] != mat[q][w + p]:
+                    raise PurlinMismatchError(
+                        f"all_to_all_v: rank {p} sends {s[p][q]} row(s) to rank {q} (its input_splits[{q}]) but "
+                        f"rank {q} expects {mat[q][w + p]} from rank {p} (its output_splits[{p}])")
+        # hop 1, inside the node: to local rank j, my rows for (m, j), m in node order
+        rest = tuple(x.shape[1:])
+        blocks = list(x.split(send))
+        hop = [blocks[lay.rank_at(m, j)] for j in range(size) for m in range(n)]
+        src = [lay.rank_at(self._node_index, j) for j in range(size)]  # my node's ranks, by local rank
+        out1 = [sum(s[me][lay.rank_at(m, j)] for m in range(n)) for j in range(size)]
+        in1 = [sum(s[p][lay.rank_at(m, li)] for m in range(n)) for p in src]
+        got = self.local.all_to_all_v(torch.cat(hop) if hop else x, out1, in1)
+        # on the relay: from local rank j, blocks for (m, li) in node order -> regroup by node m
+        pieces = got.split([s[p][lay.rank_at(m, li)] for p in src for m in range(n)])
+        by_node = [pieces[j * n + m] for m in range(n) for j in range(size)]
+        send2 = [sum(s[p][lay.rank_at(m, li)] for p in src) for m in range(n)]
+        recv2 = [sum(recv[lay.rank_at(m, j)] for j in range(size)) for m in range(n)]
+        body = torch.cat(by_node) if by_node else got
+        across = self.link.all_to_all(body.reshape((-1,) + rest), send2, recv2)
+        # from node m, blocks of sources (m, j), j in order -> rank order
+        parts = across.split([recv[lay.rank_at(m, j)] for m in range(n) for j in range(size)])
+        by_rank: list[Optional[torch.Tensor]] = [None] * w
+        for k, part in enumerate(parts):
+            by_rank[lay.rank_at(k // size, k % size)] = part
+        return torch.cat(by_rank)
+
+    def _broadcast(self, x: torch.Tensor, c, root: int) -> torch.Tensor:
+        out = c.out
+        if self.rank == root and out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        m0, l0 = self.layout.place(root)
+        if self._local_rank == l0:
+            self.link.broadcast(out, m0)
+        self.local.broadcast(out, l0)
+        return out
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self._check_usable("synchronize")
+        self.local.synchronize()
+
+    @contextlib.contextmanager
+    def capture(self):
+        """The node stage's capture context (the stages between nodes are NCCL calls on the current
+        stream, capturable as NCCL's are)."""
+        self._check_usable("capture")
+        with self.local.capture():
+            yield self
+
+    def close(self) -> None:
+        if self._closed and getattr(self, "local", None) is None:
+            return
+        self._closed = True
+        local, self.local = getattr(self, "local", None), None
+        self._moe = None
+        if local is not None:
+            local.close()
+
+
+def _catalog(spec: Any) -> bool:
+    from ..collectives import CATALOG
+
+    return isinstance(spec, CollectiveSpec) and CATALOG.get(spec.name) is spec
+
+
+_STAGES = {
+    "all_reduce": MultiNodeCommunicator._all_reduce,
+    "reduce_scatter": MultiNodeCommunicator._reduce_scatter,
+    "reduce_scatter_v": MultiNodeCommunicator._reduce_scatter_v,
+    "all_gather": MultiNodeCommunicator._all_gather,
+    "all_gather_v": MultiNodeCommunicator._all_gather_v,
+    "all_to_all": MultiNodeCommunicator._all_to_all,
+    "all_to_all_v": MultiNodeCommunicator._all_to_all_v,
+    "broadcast": MultiNodeCommunicator._broadcast,
+}
