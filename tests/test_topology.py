@@ -1,6 +1,7 @@
-"""A group's nodes (config ``topology.node_of_rank``, else the ranks' hosts): one node is what
-purlin's plans run in, so a group on more than one node is refused at construction, on every rank,
-with an error naming the nodes, and leaves no shared-memory file."""
+"""A group's nodes (config ``topology.node_of_rank``, else the ranks' hosts). A group on several
+nodes runs in two levels (tests/multinode); where it cannot (``topology.inter_node: off``, nodes
+with different numbers of ranks) it is refused at construction on every rank, with an error naming
+the nodes, and leaves no shared-memory file."""
 
 import os
 import tempfile
@@ -16,8 +17,9 @@ from purlin_sglang.testing import launch
 CFG = {"staging_bytes": 1 << 16, "timeout_s": 30}
 
 
-def _mp_nodes(rank, world, nodes, shm_dir):
-    cfg = {**CFG, "shm_dir": shm_dir, **({"topology": {"node_of_rank": nodes(rank)}} if nodes else {})}
+def _mp_nodes(rank, world, nodes, shm_dir, inter="auto"):
+    cfg = {**CFG, "shm_dir": shm_dir, **({"topology": {"node_of_rank": nodes(rank), "inter_node": inter}}
+                                         if nodes else {})}
     try:
         with ps.Communicator(config=cfg) as comm:
             out = comm.all_reduce(torch.ones(3))
@@ -36,13 +38,32 @@ def _two_nodes(rank):
     return [0, 0, 1, 1]
 
 
-def test_a_group_on_two_nodes_is_refused_on_every_rank_naming_them():
+def test_a_group_on_two_nodes_runs_in_two_levels():
     with tempfile.TemporaryDirectory() as d:
         res = launch(_mp_nodes, 4, _two_nodes, d, timeout_s=120)
+    assert all(r == ("ok", (0, 0, 1, 1), [4.0, 4.0, 4.0]) for r in res), res
+
+
+def test_a_group_on_two_nodes_is_refused_on_every_rank_naming_them_when_inter_node_is_off():
+    with tempfile.TemporaryDirectory() as d:
+        res = launch(_mp_nodes, 4, _two_nodes, d, "off", timeout_s=120)
     for name, msg, files in res:
-        assert name == "PurlinUnavailableError", (name, msg)
+        assert name == "PurlinTopologyError", (name, msg)
         assert "spans 2 nodes (node 0: ranks [0, 1]; node 1: ranks [2, 3]; from topology.node_of_rank)" in msg, msg
         assert files == [], files  # refused before any shared memory is made
+
+
+def _uneven(rank):
+    return [0, 0, 0, 1]
+
+
+def test_nodes_with_different_numbers_of_ranks_are_refused_on_every_rank():
+    with tempfile.TemporaryDirectory() as d:
+        res = launch(_mp_nodes, 4, _uneven, d, timeout_s=120)
+    for name, msg, files in res:
+        assert name == "PurlinTopologyError" and "different numbers of the group's ranks" in msg, (name, msg)
+        assert "node 0: ranks [0, 1, 2]; node 1: ranks [3]" in msg, msg
+        assert files == [], files
 
 
 def _disagree(rank):

@@ -46,6 +46,7 @@ class NodeMoE(cpu.CpuMoE):
     def __init__(self, ctx: MoEContext, comm: Any):
         super().__init__(ctx)
         self.comm = comm
+        self.rows_across = 0  # tokens the last dispatch sent to other nodes (each once per destination node)
 
     def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
         plan = self._plan("dispatch", num_experts, capacity, quant)
@@ -70,8 +71,10 @@ class NodeMoE(cpu.CpuMoE):
                             torch.where(on_m, r.j[t_of], -1), sc.view(torch.int32).to(torch.int64)[:, None]], 1)
         body = payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n else torch.empty(0, row_bytes,
                                                                                          dtype=torch.uint8)
-        hop1 = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), -1), body.reshape(len(t_of), -1)], 1)
+        hop1 = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * (3 * k_n + 2)),
+                          body.reshape(len(t_of), row_bytes)], 1)
         send = torch.bincount(m_of, minlength=n)[:n]
+        self.rows_across = int(send.sum()) - int(send[m_me])
         recv = comm.link.all_to_all(send.view(n, 1), [1] * n, [1] * n).view(-1).tolist()
         got = comm.link.all_to_all(hop1.contiguous(), send.tolist(), recv)
         # on the relay: each token once per destination rank of this node, with the one-node header
@@ -86,7 +89,7 @@ class NodeMoE(cpu.CpuMoE):
             idx = hit.any(1).nonzero().view(-1)
             hdr = torch.cat([h1[idx, :1], torch.where(hit[idx], le1[idx], -1), torch.where(hit[idx], j1[idx], -1),
                              h1[idx, w1 - 1:]], 1)
-            rows.append(torch.cat([hdr.contiguous().view(torch.uint8).reshape(len(idx), -1), b1[idx]], 1))
+            rows.append(torch.cat([hdr.contiguous().view(torch.uint8).reshape(len(idx), 8 * (2 * k_n + 2)), b1[idx]], 1))
             counts.append(len(idx))
         # from relay jj: the tokens of sources (m, jj), m in node order, that come to me
         tokens = routed.tokens

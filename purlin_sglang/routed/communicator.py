@@ -28,12 +28,14 @@ import torch
 
 from ..api import Communicator
 from ..engines.base import REDUCE_DTYPES
+from ..errors import PurlinTopologyError
 from .routing import PluginConfig, for_deterministic_inference
 
 logger = logging.getLogger(__name__)
 
 WARM_KEYS = 4096  # calls (op, group-wide sizes, dtype) remembered as warmed up, least recently used dropped
 NOT_WARM = "not warmed up"
+SPANS_NODES = "spans nodes"  # the group is on several nodes and purlin cannot join them (topology.inter_node)
 
 
 class RoutedCommunicator:
@@ -82,8 +84,16 @@ class RoutedCommunicator:
         self._report_every = float(self.config.report_interval_s)
         self._last_report = time.monotonic()
         self._comm: Optional[Communicator] = None
+        self.unavailable: Optional[str] = None  # why purlin cannot serve this group at all (then disabled)
         if self.world_size > 1:
-            self._comm = Communicator(group, self.device, config=self.config.purlin)
+            try:
+                self._comm = Communicator(group, self.device, config=self.config.purlin)
+            except PurlinTopologyError as e:  # a group across nodes with no way to join them: the framework's path
+                self.unavailable = SPANS_NODES
+                self.fallbacks[("group", SPANS_NODES)] += 1  # the whole group, once (its report shows it)
+                logger.warning("purlin[%s]: %s; this group's collectives take the framework's own path (fallback "
+                               "group/%s)", self.name, e, SPANS_NODES)
+                return
             self.device = self._comm.device  # normalized ("cuda" -> "cuda:N")
             self.disabled = False
             if deterministic:
@@ -119,7 +129,7 @@ class RoutedCommunicator:
         ``key`` names the call for the warm-up check during graph capture (None: never warmed up).
         """
         if self.disabled:
-            return "disabled"
+            return self.unavailable or "disabled"
         if self._bypass:
             return "bypass"
         for t in tensors:

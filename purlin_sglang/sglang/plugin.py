@@ -242,8 +242,9 @@ def coordinator_init(original, self, *args, **kwargs):
                 f"--comm-backend purlin: cannot build the purlin communicator for group {self.unique_name} "
                 f"on {self.device}: {e}; run with --comm-backend nccl, or fix the cause"
             ) from e
-        logger.info("purlin_sglang: group %s: %d ranks on %s through purlin (engine %s)", self.unique_name,
-                    self.world_size, self.device, self.purlin_comm.engine)
+        if not self.purlin_comm.disabled:  # (else the communicator logged why the group keeps SGLang's path)
+            logger.info("purlin_sglang: group %s: %d ranks on %s through purlin (engine %s)", self.unique_name,
+                        self.world_size, self.device, self.purlin_comm.engine)
     elif config.routing.covers(group_name):
         logger.info("purlin_sglang: group %s has one rank: no collective to route", self.unique_name)
 

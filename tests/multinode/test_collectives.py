@@ -102,3 +102,35 @@ def test_every_collective_on_simulated_nodes_equals_the_reference(name):
         for i, (g, e) in enumerate(zip(got[r], _expected(world, nodes, seed, r))):
             for op in e:
                 assert g[op].dtype == e[op].dtype and torch.equal(g[op], e[op]), (name, r, i, op, g[op], e[op])
+
+
+def _errors_job(rank, world, shm):
+    from purlin_sglang.collectives import CollectiveSpec
+    from purlin_sglang.collectives.layout import COPY, PACKED, SCATTERED
+
+    seen = []
+    with ps.Communicator(config={**CFG, "shm_dir": shm, "topology": {"node_of_rank": [0, 0, 1, 1]}}) as comm:
+        send = [1, 1, 1, 1]
+        recv = [1, 1, 1, 2] if rank == 1 else [1, 1, 1, 1]  # rank 1 expects 2 rows from rank 3, which sends 1
+        try:
+            comm.all_to_all_v(torch.ones(4, 2), send, recv)
+        except ps.PurlinMismatchError as e:
+            seen.append(str(e))
+        mine = CollectiveSpec("my_gather", PACKED, SCATTERED, COPY)
+        try:
+            comm.run(mine, torch.ones(2))
+        except ps.PurlinUnavailableError as e:
+            seen.append(str(e))
+        seen.append(comm.all_reduce(torch.ones(3)).tolist())
+        seen.append((comm.algorithm("all_reduce", 1024), comm.workspace_bytes > 0, repr(comm)))
+    return seen
+
+
+def test_split_disagreements_and_custom_specs_raise_on_every_rank_and_the_group_stays_usable():
+    with tempfile.TemporaryDirectory() as shm:
+        got = launch(_errors_job, 4, shm, timeout_s=300)
+    for seen in got:
+        assert "rank 3 sends 1 row(s) to rank 1 (its input_splits[1]) but rank 1 expects 2" in seen[0], seen
+        assert "my_gather: a collective outside the catalog cannot run across nodes" in seen[1], seen
+        assert seen[2] == [4.0, 4.0, 4.0], seen
+        assert seen[3][0] == "two-level" and seen[3][1] and "nodes=2" in seen[3][2], seen

@@ -98,8 +98,44 @@ def routed_collectives(rank: int, world: int, config_path: str) -> dict:
     facts["routed"] = dict(pc.routed)
     facts["fallbacks"] = {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()}
     facts["summary"] = pc.summary()
+    facts["communicator"] = type(pc.communicator).__name__
     g.destroy()
     assert g.purlin_comm is None and pc.disabled
+    return facts
+
+
+def spanning_group_kept_on_sglang(rank: int, world: int, config_path: str) -> dict:
+    """A group on two (simulated) nodes that purlin may not join (topology.inter_node off): the group
+    keeps SGLang's own path, with the reason logged and counted; its collectives still work."""
+    import logging
+
+    from sglang.srt.plugins import load_plugins
+
+    from purlin_sglang.sglang import plugin
+
+    load_plugins()
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("purlin_sglang").addHandler(handler)
+    try:
+        with plugin.activate("purlin", config_path):
+            g = _coordinator(world, rank)
+    finally:
+        logging.getLogger("purlin_sglang").removeHandler(handler)
+    pc = g.purlin_comm
+    x = _rows(rank, 4)
+    y = x.clone()
+    g._all_reduce_in_place(y)  # SGLang's own path (torch.distributed on the gloo group)
+    facts = {"disabled": pc.disabled, "unavailable": pc.unavailable,
+             "fallbacks": {f"{op}/{why}": n for (op, why), n in pc.fallbacks.items()},
+             "all_reduce_ok": torch.equal(y, sum(_rows(r, 4) for r in range(world))),
+             "logged": [m for m in records if "spans 2 nodes" in m]}
+    g.destroy()
     return facts
 
 

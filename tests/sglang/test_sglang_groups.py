@@ -29,6 +29,23 @@ def test_routed_ops_match_original_path(tmp_path):
         assert f["summary"].startswith("purlin[tp:0]: routed all_gather=2")
 
 
+def test_a_group_on_two_simulated_nodes_takes_the_two_level_path(tmp_path):
+    cfg = _config(tmp_path, "topology:\n  node_of_rank: [0, 0, 1, 1]\n")
+    facts = launch(W.routed_collectives, 4, cfg, timeout_s=300)
+    for f in facts:
+        assert f["communicator"] == "MultiNodeCommunicator", f
+        assert f["routed"]["all_reduce"] >= 3 and f["routed"]["all_gather_v"] >= 1, f
+
+
+def test_a_group_across_nodes_that_purlin_may_not_join_keeps_sglangs_path_counted_and_logged(tmp_path):
+    cfg = _config(tmp_path, "topology:\n  node_of_rank: [0, 0, 1, 1]\n  inter_node: 'off'\n")
+    facts = launch(W.spanning_group_kept_on_sglang, 4, cfg, timeout_s=300)
+    for f in facts:
+        assert f["disabled"] and f["unavailable"] == "spans nodes" and f["all_reduce_ok"], f
+        assert f["fallbacks"] == {"group/spans nodes": 1}, f
+        assert len(f["logged"]) == 1 and "topology.inter_node is 'off'" in f["logged"][0], f
+
+
 def test_fallback_paths_run_the_original(tmp_path):
     cfg = _config(tmp_path, "routing:\n  all_reduce: {max_bytes: 64}\n  all_gather: {enabled: false}\n")
     facts = launch(W.fallback_paths, 2, cfg, timeout_s=180)
