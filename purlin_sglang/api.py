@@ -31,6 +31,8 @@ from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
 from .moe.engine import MoEContext
 from .moe.validate import checked_combine, checked_dispatch
+from .multinode.communicator import TwoLevel, become
+from .multinode.layout import NodeLayout
 from .virtual import VirtualWorld, run_world
 
 
@@ -58,12 +60,10 @@ class Communicator:
             self.device = torch.device("cuda", self.device.index if self.device.index is not None
                                        else torch.cuda.current_device())
         with setup_phase.bounded(self.config.timeouts.setup_s):  # every set-up wait ends within timeout_s
-            layout = bootstrap.node_of_rank(group, rank, world, self.config.topology.node_of_rank)
-            self._nodes = layout.nodes
-            if layout.count > 1:  # two levels: purlin inside each node, torch.distributed between
-                from .multinode.communicator import become
-
-                become(self, group, rank, world, layout)
+            nodes, hosts = bootstrap.node_of_rank(group, rank, world, self.config.topology.node_of_rank)
+            self._nodes = nodes
+            if len(set(nodes)) > 1:  # two levels: purlin inside each node, torch.distributed between
+                become(self, MultiNodeCommunicator, group, rank, world, NodeLayout(nodes, hosts))
                 return
             ws = bootstrap.group_workspace(self.memory, group, rank, world,
                                            region_bytes(self.config.staging_bytes, self.config.symmetric_bytes),
@@ -446,6 +446,11 @@ class Communicator:
             pass
 
 
+class MultiNodeCommunicator(TwoLevel, Communicator):
+    __doc__ = TwoLevel.__doc__
+    _node_class = Communicator
+
+
 def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any = "cpu", config: Any = None,
                 reserve_bytes: int = 256 << 20) -> list:
     """Call ``fn(comm)`` once per virtual rank, concurrently, and return the results in rank order.
@@ -481,4 +486,4 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
                      make=Communicator._virtual, mark_broken=lambda comm, why: comm._engine.mark_broken(why))
 
 
-__all__ = ["Communicator", "run_virtual", "CacheInfo", "PurlinError", "PurlinPlanError"]
+__all__ = ["Communicator", "MultiNodeCommunicator", "run_virtual", "CacheInfo", "PurlinError", "PurlinPlanError"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..errors import PurlinConfigError, PurlinUnavailableError
-from ..multinode.layout import NodeLayout, from_hosts
 from . import providers, setup_phase
 from .host import SHM_DIR, HostWorkspace, shared_path, unlink_shared
 from .layout import DeviceLayout, WorkspaceLayout
@@ -41,11 +40,11 @@ def node_identity() -> str:
     return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
-def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> NodeLayout:
-    """The node of every rank of ``group`` (the first set-up phase; collective): the config's
-    ``topology.node_of_rank`` where set (equal on every rank), else the ranks' hosts numbered in
-    rank order of first appearance. What a layout of several nodes runs is the caller's choice
-    (:mod:`purlin_sglang.multinode`)."""
+def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> tuple[tuple[int, ...], Any]:
+    """(the node of every rank of ``group``, every rank's host or None) (the first set-up phase;
+    collective): the config's ``topology.node_of_rank`` where set (equal on every rank; hosts None),
+    else the ranks' hosts, numbered in rank order of first appearance. What a layout of several
+    nodes runs is the caller's choice (:mod:`purlin_sglang.multinode`)."""
     seen = setup_phase.gather_status(group, world, ("ok", (node_identity(), configured)), OP)
     hosts = [s[1][0] for s in seen]
     given = [s[1][1] for s in seen]
@@ -53,12 +52,13 @@ def node_of_rank(group: Any, rank: int, world: int, configured: Any) -> NodeLayo
         raise PurlinConfigError(f"{OP}: the ranks disagree on topology.node_of_rank: {given} (rank order); "
                                 "every rank needs the same config")
     if given[0] is None:
-        return from_hosts(hosts)
+        ids: dict[str, int] = {}
+        return tuple(ids.setdefault(h, len(ids)) for h in hosts), tuple(hosts)
     nodes = tuple(int(n) for n in given[0])
     if len(nodes) != world:
         raise PurlinConfigError(f"{OP}: topology.node_of_rank has {len(nodes)} entries, the group has {world} "
                                 "ranks; give one node id per rank")
-    return NodeLayout(nodes)
+    return nodes, None
 
 
 def group_workspace(memory: str, group: Any, rank: int, world: int, staging_bytes: int, *,

@@ -1,7 +1,8 @@
 """A Communicator whose group spans nodes: every collective in two levels.
 
 :func:`become` turns a :class:`~purlin_sglang.Communicator` under construction into a
-:class:`MultiNodeCommunicator` once its ranks were found on several nodes. It then holds ``local``,
+``purlin_sglang.api.MultiNodeCommunicator`` (:class:`TwoLevel` + Communicator) once its ranks were
+found on several nodes. It then holds ``local``,
 a purlin Communicator of its node's L ranks (the CPU or CUDA engine, as on one node), and ``link``,
 a :class:`~.cross.CrossLink` among the N ranks of its local index (torch.distributed). Each
 collective is a fixed sequence of stages on those two (docs/MULTINODE.md has the bytes of each):
@@ -31,8 +32,6 @@ from typing import Any, NoReturn, Optional
 
 import torch
 
-from .. import reference
-from ..api import Communicator
 from ..calls import CacheInfo, CallPath
 from ..collectives import CollectiveSpec
 from ..engines import closed_error
@@ -43,11 +42,12 @@ from .layout import NodeLayout
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
-def become(comm: Communicator, group: Any, rank: int, world: int, layout: NodeLayout) -> None:
-    """Finish constructing ``comm`` as a :class:`MultiNodeCommunicator` of ``layout`` (collective over
+def become(comm: Any, cls: type, group: Any, rank: int, world: int, layout: NodeLayout) -> None:
+    """Finish constructing the Communicator ``comm`` as ``cls`` (a subclass of it and of
+    :class:`TwoLevel`: ``purlin_sglang.api.MultiNodeCommunicator``) over ``layout`` (collective over
     ``group``); a group that cannot run across its nodes raises PurlinTopologyError on every rank."""
     backend = backend_for(comm.config.topology.inter_node, comm.device, layout)  # the same answer on every rank
-    comm.__class__ = MultiNodeCommunicator
+    comm.__class__ = cls
     comm._init_nodes(group, rank, world, layout, backend)
 
 
@@ -70,10 +70,12 @@ def _even(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
-class MultiNodeCommunicator(Communicator):
-    """A :class:`~purlin_sglang.Communicator` over several nodes (made by ``Communicator(...)`` itself
-    when the group's ranks sit on several nodes; see the module). The same API and contracts, with
-    these differences: reductions are two-level (module docstring); ``algorithm`` answers
+class TwoLevel:
+    _node_class: type  # the Communicator class of the node stage (set by the class that derives from both)
+
+    """What a Communicator over several nodes does differently (``purlin_sglang.api.MultiNodeCommunicator``
+    derives from this and from Communicator; ``Communicator(...)`` makes one itself when the group's
+    ranks sit on several nodes; see the module). The same API and contracts, with these differences: reductions are two-level (module docstring); ``algorithm`` answers
     ``two-level``; ``symmetric_empty``, ``cache_info`` and ``tuning_info`` are the node stage's; a
     spec outside the catalog raises PurlinUnavailableError; an argument error raises on the erring
     rank only (its peers wait for it up to ``timeout_s``)."""
@@ -89,7 +91,7 @@ class MultiNodeCommunicator(Communicator):
         local_group, cross_group, cross_ranks = make_groups(group, layout, rank, backend, self.config.timeouts.setup_s)
         cfg = self.config.model_copy(update={"topology": self.config.topology.model_copy(
             update={"node_of_rank": (0,) * layout.local_size})})
-        self.local = Communicator(local_group, self.device, cfg)
+        self.local = self._node_class(local_group, self.device, cfg)  # a plain Communicator of the node
         self.link = CrossLink(cross_group, self._node_index, cross_ranks)
         self._groups = (local_group, cross_group)
         self.engine_name = f"{self.local.engine_name}+{backend}"
@@ -304,12 +306,12 @@ def _catalog(spec: Any) -> bool:
 
 
 _STAGES = {
-    "all_reduce": MultiNodeCommunicator._all_reduce,
-    "reduce_scatter": MultiNodeCommunicator._reduce_scatter,
-    "reduce_scatter_v": MultiNodeCommunicator._reduce_scatter_v,
-    "all_gather": MultiNodeCommunicator._all_gather,
-    "all_gather_v": MultiNodeCommunicator._all_gather_v,
-    "all_to_all": MultiNodeCommunicator._all_to_all,
-    "all_to_all_v": MultiNodeCommunicator._all_to_all_v,
-    "broadcast": MultiNodeCommunicator._broadcast,
+    "all_reduce": TwoLevel._all_reduce,
+    "reduce_scatter": TwoLevel._reduce_scatter,
+    "reduce_scatter_v": TwoLevel._reduce_scatter_v,
+    "all_gather": TwoLevel._all_gather,
+    "all_gather_v": TwoLevel._all_gather_v,
+    "all_to_all": TwoLevel._all_to_all,
+    "all_to_all_v": TwoLevel._all_to_all_v,
+    "broadcast": TwoLevel._broadcast,
 }

@@ -9,7 +9,7 @@ N ranks of one local index (rank ``(0, l), (1, l), ...``): every node must hold 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,3 @@ class NodeLayout:
     @property
     def source(self) -> str:
         return "the ranks' hosts" if self.hosts else "topology.node_of_rank"
-
-
-def from_hosts(hosts: Sequence[str]) -> NodeLayout:
-    """Ranks on one host are one node; nodes numbered in rank order of first appearance."""
-    ids: dict[str, int] = {}
-    return NodeLayout(tuple(ids.setdefault(h, len(ids)) for h in hosts), tuple(hosts))
