@@ -36,7 +36,8 @@ def register() -> bool:
     try:
         hooks.apply(hooks.START_UP)
     except Exception as e:  # noqa: BLE001 - a general plugin's exception would stop vLLM
-        logger.warning("purlin_sglang: cannot apply purlin's vLLM hooks (%s: %s); purlin stays off", type(e).__name__, e)
+        logger.warning("purlin_sglang: cannot apply purlin's vLLM hooks (%s: %s); purlin stays off",
+                       type(e).__name__, e)
         return False
     gone = hooks.missing(hooks.START_UP)
     if gone:

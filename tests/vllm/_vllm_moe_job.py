@@ -114,7 +114,8 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
 
         def layer(ep: bool, dtype):
             pc = ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=ep)
-            par = FusedMoEParallelConfig.make(tp_size_=world, pcp_size_=1, dp_size_=1, sp_size_=1, vllm_parallel_config=pc)
+            par = FusedMoEParallelConfig.make(tp_size_=world, pcp_size_=1, dp_size_=1, sp_size_=1,
+                                              vllm_parallel_config=pc)
             local = E // par.ep_size if ep else E
             moe = FusedMoEConfig(num_experts=E, experts_per_token=K, hidden_dim=H, intermediate_size=I,
                                  num_local_experts=local, num_logical_experts=E, activation=MoEActivation.SILU,
@@ -171,14 +172,16 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
             got = run(kernel, emap, x, w1, w2, weights, ids, True)
             calls += 1
             lo = facts["ep_rank"] * (E // world)  # the (token, slot) pairs routed here; padding rows skipped
+            routed_here = int(((ids >= lo) & (ids < lo + E // world)).sum())
             facts["checks"][f"rows/{'fixed' if fixed else 'exact'}/{tokens}"] = (
-                getattr(kernel.fused_experts, "computed", 0) - before == int(((ids >= lo) & (ids < lo + E // world)).sum()))
+                getattr(kernel.fused_experts, "computed", 0) - before == routed_here)
             want = run(ref_kernels[dtype], None, x, w1, w2, weights, ids, False)
             name = f"{'fixed' if fixed else 'exact'}/{tokens}/{str(dtype).replace('torch.', '')}"
             tol = 1e-5 if dtype == torch.float32 else 2e-2
+            exact = f64(x, w1, w2, weights, ids)
             facts["checks"][name] = bool(got.shape == want.shape and torch.equal(got, want)
                                          and not bool((got == 0).all())
-                                         and torch.allclose(got.double(), f64(x, w1, w2, weights, ids), rtol=tol, atol=tol))
+                                         and torch.allclose(got.double(), exact, rtol=tol, atol=tol))
             if dtype == torch.float32 and not fixed:  # vLLM's own EP path: other summation order, so close
                 own = run(own_kernel, emap, x, w1, w2, weights, ids, True)
                 facts["checks"][f"vllm_own/{tokens}"] = bool(torch.allclose(own, want, rtol=1e-5, atol=1e-6))
