@@ -96,7 +96,8 @@ class PurlinMismatchError(PurlinError, RuntimeError):
 
 
 class PurlinPluginError(PurlinError, RuntimeError):
-    """The SGLang plugin cannot do what was asked (hooks missing, communicator not buildable)."""
+    """A framework plugin (SGLang's, vLLM's) cannot do what was asked (hooks missing, communicator not
+    buildable)."""
 
 
 def rejected_error(op: str, causes: dict[int, str], seq: int | None = None) -> PurlinRejectedError:
