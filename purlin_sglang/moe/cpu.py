@@ -61,10 +61,11 @@ def prologue(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.T
     d_of, t_of = pairs[:, 0], pairs[:, 1]
     hdr_le = torch.where(r.dst[t_of] == d_of[:, None], r.le[t_of], -1)
     hdr_j = torch.where(r.dst[t_of] == d_of[:, None], r.j[t_of], -1)
-    sc = (scales[t_of] if scales is not None else torch.ones(len(t_of))).to(torch.float32)
+    sc = (scales[t_of] if scales is not None else torch.ones(len(t_of), device=x.device)).to(torch.float32)
     header = torch.cat([t_of[:, None], hdr_le, hdr_j, sc.view(torch.int32).to(torch.int64)[:, None]], dim=1)
     row_bytes = payload.element_size() * hidden
-    body = payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n else torch.empty(0, row_bytes, dtype=torch.uint8)
+    body = (payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n
+            else torch.empty(0, row_bytes, dtype=torch.uint8, device=x.device))
     packed = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * header.shape[1]),
                         body.reshape(len(t_of), row_bytes)], 1)
     return Routed(r, payload, scales, matrix, tokens, d_of, t_of, packed.contiguous())
@@ -74,7 +75,7 @@ def put_rows(ctx: MoEContext, routed: Routed) -> tuple[torch.Tensor, torch.Tenso
     """PutRows in one all_to_all_v: (the packed rows received, the source rank of each)."""
     me, tokens = ctx.rank, routed.tokens
     recv = ctx.all_to_all_v(routed.packed, routed.r.tokens_to.tolist(), tokens[:, me].tolist())
-    return recv, torch.repeat_interleave(torch.arange(ctx.world), tokens[:, me])
+    return recv, torch.repeat_interleave(torch.arange(ctx.world), tokens[:, me]).to(recv.device)
 
 
 def dispatch(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor,
@@ -90,7 +91,9 @@ def expand(ctx: MoEContext, plan: MoEPlan, routed: Routed, recv: torch.Tensor, s
            ws: torch.Tensor) -> MoEDispatch:
     """Expand: one row per (token, slot) received, at group(le) + offset(source, le) + j."""
     world, me, local, e_n = ctx.world, ctx.rank, plan.local_experts, plan.num_experts
-    r, payload, matrix = routed.r, routed.payload, routed.matrix
+    r, payload = routed.r, routed.payload
+    dev = payload.device
+    matrix = routed.matrix.to(dev)  # the count exchange's (on the host)
     t_n, k_n = r.dst.shape
     row_bytes = payload.element_size() * hidden
     hw = 2 * k_n + 2
@@ -105,24 +108,24 @@ def expand(ctx: MoEContext, plan: MoEPlan, routed: Routed, recv: torch.Tensor, s
         base = torch.cumsum(group, 0) - group
         total = int(group.sum())
     else:
-        base = torch.arange(local, dtype=torch.int64) * (world * plan.capacity)
+        base = torch.arange(local, dtype=torch.int64, device=dev) * (world * plan.capacity)
         total = local * world * plan.capacity
     le, j = rh[:, 1:1 + k_n], rh[:, 1 + k_n:1 + 2 * k_n]
     tok_i, k_i = (le >= 0).nonzero(as_tuple=True)
     lev = le[tok_i, k_i]
     rows = base[lev] + off[src[tok_i], lev] + j[tok_i, k_i]
     out_dtype = payload.dtype
-    xo = torch.zeros(total, row_bytes, dtype=torch.uint8)
+    xo = torch.zeros(total, row_bytes, dtype=torch.uint8, device=dev)
     xo[rows] = rbody[tok_i]
-    expert = torch.full((total,), -1, dtype=torch.int32)
+    expert = torch.full((total,), -1, dtype=torch.int32, device=dev)
     expert[rows] = lev.to(torch.int32)
-    src_rank = torch.full((total,), -1, dtype=torch.int32)
+    src_rank = torch.full((total,), -1, dtype=torch.int32, device=dev)
     src_rank[rows] = src[tok_i].to(torch.int32)
-    src_slot = torch.full((total,), -1, dtype=torch.int64)
+    src_slot = torch.full((total,), -1, dtype=torch.int64, device=dev)
     src_slot[rows] = rh[tok_i, 0] * k_n + k_i
     out_scales = None
     if plan.quant == "fp8":
-        out_scales = torch.ones(total, dtype=torch.float32)
+        out_scales = torch.ones(total, dtype=torch.float32, device=dev)
         out_scales[rows] = rh[tok_i, hw - 1].to(torch.int32).view(torch.float32)
     return MoEDispatch(
         x=xo.view(out_dtype).reshape(total, hidden), expert=expert, counts=group.to(torch.int32),
@@ -141,15 +144,15 @@ def combine(ctx: MoEContext, expert_out: torch.Tensor, d: MoEDispatch) -> torch.
     order = order[: int(n_back.sum())]
     row_bytes = expert_out.element_size() * hidden
     body = expert_out.view(torch.uint8).reshape(-1, row_bytes)[order] if d.rows else \
-        torch.empty(0, row_bytes, dtype=torch.uint8)
+        torch.empty(0, row_bytes, dtype=torch.uint8, device=expert_out.device)
     packed = torch.cat([d.src_slot[order].contiguous().view(torch.uint8).reshape(-1, 8), body], 1)
     back = ctx.all_to_all_v(packed.contiguous(), n_back.tolist(), list(d._engine)).reshape(-1, 8 + row_bytes)
     slots = back[:, :8].reshape(-1).view(torch.int64)
-    ret = torch.zeros(t_n * k_n, row_bytes, dtype=torch.uint8)
+    ret = torch.zeros(t_n * k_n, row_bytes, dtype=torch.uint8, device=expert_out.device)
     ret[slots] = back[:, 8:]
     ret = ret.view(expert_out.dtype).reshape(t_n, k_n, hidden)
     # WeightedReduce: float32, k = 0..K-1, skipped slots skipped (not added as zeros)
-    acc = torch.zeros(t_n, hidden, dtype=torch.float32)
+    acc = torch.zeros(t_n, hidden, dtype=torch.float32, device=expert_out.device)
     for k in range(k_n):
         m = d.valid[:, k]
         if bool(m.any()):

@@ -16,8 +16,8 @@ capacity overflow), then
 Combine: every (token, slot) row goes back to its source over the two-level all_to_all_v and is
 reduced there in the fixed k order, so it is bitwise the one-node result too. (Pre-reducing a
 token's slots of one node on the relay would cross the nodes once per token and node, but with a
-different association of the sum: not done.) Blocks the host (row counts are read there); CPU
-engine only for now.
+different association of the sum: not done.) Blocks the host (row counts are read there), so it is
+not capturable in a CUDA graph; on CUDA its steps are torch device ops.
 """
 
 from __future__ import annotations
@@ -26,18 +26,19 @@ from typing import Any
 
 import torch
 
-from ..errors import PurlinUnavailableError
+from ..errors import PurlinUnavailableError, PurlinValueError
 from ..moe import cpu
 from ..moe.engine import MoEContext
+from ..moe.validate import check_id_range
 
 
 def make_moe(comm: Any) -> Any:
-    """The MoE part of a multi-node communicator: :class:`NodeMoE` on CPU; on CUDA a part whose calls
-    raise PurlinUnavailableError (the two-level exchange runs on the CPU engine only, for now)."""
+    """The MoE part of a multi-node communicator: :class:`NodeMoE` (eager; on CUDA its steps are torch
+    device ops with the counts read on the host, so it is not capturable)."""
     ctx = MoEContext(rank=comm.rank, world=comm.world_size, device=comm.device, config=comm.config, owner=id(comm),
                      all_gather=comm.all_gather, all_to_all_v=comm.all_to_all_v,
                      mark_broken=lambda why: None, group=comm.group)
-    return NodeMoE(ctx, comm) if comm.device.type == "cpu" else _NoMoE(comm.layout)
+    return NodeMoE(ctx, comm)
 
 
 class NodeMoE(cpu.CpuMoE):
@@ -49,6 +50,15 @@ class NodeMoE(cpu.CpuMoE):
         self.rows_across = 0  # tokens the last dispatch sent to other nodes (each once per destination node)
 
     def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
+        if capturing:  # the same on every rank (each captures the same calls): every rank raises
+            raise PurlinUnavailableError(
+                "moe_dispatch: the MoE exchange across nodes reads its row counts on the host and cannot be "
+                "captured in a CUDA graph; run it eagerly")
+        if ids.device.type == "cuda" and ids.numel():  # the CPU engine's checks ran; the id range too
+            try:
+                check_id_range(int(ids.min()), int(ids.max()), num_experts)
+            except PurlinValueError as e:
+                self.reject(e)  # every rank raises (this one its own error)
         plan = self._plan("dispatch", num_experts, capacity, quant)
         return cpu.dispatch(self.ctx, self.exchange, plan, x, ids, weights, put=self._put)
 
@@ -59,18 +69,19 @@ class NodeMoE(cpu.CpuMoE):
         r, payload = routed.r, routed.payload
         t_n, k_n = r.dst.shape
         row_bytes = payload.element_size() * payload.shape[1]
-        node_of = torch.tensor([lay.place(d)[0] for d in range(comm.world_size)] + [n], dtype=torch.int64)
+        dev = payload.device
+        node_of = torch.tensor([lay.place(d)[0] for d in range(comm.world_size)] + [n], dtype=torch.int64, device=dev)
         dnode = node_of[torch.where(r.dst >= 0, r.dst, comm.world_size)]  # [T, K]; n for skipped slots
-        to_node = torch.zeros(t_n, n + 1, dtype=torch.bool)
-        to_node[torch.arange(t_n)[:, None].expand(t_n, k_n), dnode] = True
+        to_node = torch.zeros(t_n, n + 1, dtype=torch.bool, device=dev)
+        to_node[torch.arange(t_n, device=dev)[:, None].expand(t_n, k_n), dnode] = True
         pairs = to_node[:, :n].t().nonzero()  # (m, t), m-major then t
         m_of, t_of = pairs[:, 0], pairs[:, 1]
         on_m = dnode[t_of] == m_of[:, None]
-        sc = (routed.scales[t_of] if routed.scales is not None else torch.ones(len(t_of))).to(torch.float32)
+        sc = (routed.scales[t_of] if routed.scales is not None else torch.ones(len(t_of), device=dev)).to(torch.float32)
         header = torch.cat([t_of[:, None], torch.where(on_m, r.dst[t_of], -1), torch.where(on_m, r.le[t_of], -1),
                             torch.where(on_m, r.j[t_of], -1), sc.view(torch.int32).to(torch.int64)[:, None]], 1)
-        body = payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n else torch.empty(0, row_bytes,
-                                                                                         dtype=torch.uint8)
+        body = (payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n
+                else torch.empty(0, row_bytes, dtype=torch.uint8, device=dev))
         hop1 = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * (3 * k_n + 2)),
                           body.reshape(len(t_of), row_bytes)], 1)
         send = torch.bincount(m_of, minlength=n)[:n]
@@ -97,39 +108,5 @@ class NodeMoE(cpu.CpuMoE):
         per_src = [int(tokens[p, me]) for p in srcs]
         from_relay = [sum(per_src[jj * n:(jj + 1) * n]) for jj in range(size)]
         out = comm.local.all_to_all_v(torch.cat(rows).contiguous(), counts, from_relay)
-        src = torch.repeat_interleave(torch.tensor(srcs, dtype=torch.int64), torch.tensor(per_src, dtype=torch.int64))
+        src = torch.repeat_interleave(torch.tensor(srcs, dtype=torch.int64), torch.tensor(per_src, dtype=torch.int64)).to(dev)
         return out, src
-
-
-class _NoMoE:
-    """The MoE part of a multi-node CUDA communicator: not available yet."""
-
-    hbm_bytes = 0
-
-    def __init__(self, layout):
-        self._why = (f"the MoE exchange across nodes ({layout.count} nodes) runs on the CPU engine only, for now; "
-                     "on GPUs run it inside one node (a Communicator per node) or use the framework's own EP path")
-
-    def reject(self, error) -> None:
-        raise error
-
-    def reject_combine(self, error) -> None:
-        raise error
-
-    def dispatch(self, *a, **k):
-        raise PurlinUnavailableError(f"moe_dispatch: {self._why}")
-
-    def combine(self, *a, **k):
-        raise PurlinUnavailableError(f"moe_combine: {self._why}")
-
-    def check(self, fatal_only: bool = False) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def trace(self) -> None:
-        return None
-
-    def close(self) -> None:
-        pass

@@ -52,6 +52,24 @@ def _worker(rank, world):
             if not torch.equal(out.cpu().view(torch.uint8) if out.numel() else out.cpu(),
                                want.view(torch.uint8) if want.numel() else want):
                 bad.append((name, str(dtype)))
+    # the MoE exchange (eager): the same routing on both, dispatch rows and combine bitwise equal
+    g = torch.Generator().manual_seed(7 + rank)
+    t, experts = 5, 8
+    x = torch.randn(t, 16, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, experts, (t, 3), generator=g)
+    w = torch.rand(t, 3, generator=g)
+    for dtype in (None, torch.float8_e4m3fn):
+        dc = cpu.moe_dispatch(x, ids, w, num_experts=experts, dtype=dtype)
+        dg = cuda.moe_dispatch(x.cuda(), ids.cuda(), w.cuda(), num_experts=experts, dtype=dtype)
+        same = all(torch.equal(getattr(dg, f).cpu().view(torch.uint8) if getattr(dg, f).dtype.is_floating_point
+                               else getattr(dg, f).cpu(),
+                               getattr(dc, f).view(torch.uint8) if getattr(dc, f).dtype.is_floating_point
+                               else getattr(dc, f)) for f in ("x", "expert", "counts", "src_rank", "src_slot"))
+        eo = (dc.x.float() * 1.5).to(torch.bfloat16)
+        yc = cpu.moe_combine(eo, dc)
+        yg = cuda.moe_combine(eo.cuda(), dg)
+        if not (same and torch.equal(yg.cpu().view(torch.uint8), yc.view(torch.uint8))):
+            bad.append(("moe", str(dtype)))
     b = _x(99, rank, 3, torch.float32).cuda()
     cuda.broadcast(b, 2)
     if not torch.equal(b.cpu(), _x(99, 2, 3, torch.float32)):

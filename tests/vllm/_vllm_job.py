@@ -112,7 +112,10 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
     return facts
 
 
-def main() -> int:
+def main(body=None) -> int:
+    """Run ``body`` (default :func:`rank_main`) on ``argv[1]`` gloo ranks with the JSON ``argv[2]``; print the
+    ranks' results as one ``RESULT`` line (the other vLLM jobs call this too)."""
+    body = body or rank_main
     world, extra = int(sys.argv[1]), json.loads(sys.argv[2])
     import socket
 
@@ -121,7 +124,7 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res = launch(rank_main, world, extra, timeout_s=300, env={"PURLIN_TEST_PORT": str(port),
+    res = launch(body, world, extra, timeout_s=300, env={"PURLIN_TEST_PORT": str(port),
                                                               "VLLM_TARGET_DEVICE": "cpu"})
     print("RESULT " + json.dumps(res))
     return 0

@@ -17,7 +17,6 @@ hooks' idempotence. Prints one JSON line: the facts of every rank.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 
@@ -254,20 +253,7 @@ def _purlin_layers(hook) -> int:
     return n
 
 
-def main() -> int:
-    world, extra = int(sys.argv[1]), json.loads(sys.argv[2])
-    import socket
-
-    from purlin_sglang.testing import launch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    res = launch(rank_main, world, extra, timeout_s=300, env={"PURLIN_TEST_PORT": str(port),
-                                                              "VLLM_TARGET_DEVICE": "cpu"})
-    print("RESULT " + json.dumps(res))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from _vllm_job import main
+
+    sys.exit(main(rank_main))
