@@ -311,7 +311,7 @@ class Communicator:
             except PurlinValueError as e:
                 self._announce(name, e)
         self._seq += 1
-        ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info)
+        ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info, call.splits)
         self._execute(ctx, call.sched)
         if call.launch is None:
             # Bound once it ran: an engine that prepares launches (CudaEngine.bind), and no launch gate (which

@@ -66,7 +66,7 @@ class Call:
     """A validated call of one shape: what running it again needs besides the tensors."""
 
     __slots__ = ("spec", "name", "sched", "fingerprint", "info", "out_shape", "in_place", "in_bytes", "out_bytes",
-                 "like_x", "launch")
+                 "like_x", "launch", "splits")
 
     def __init__(self, spec: CollectiveSpec, name: str, sched: Schedule, fp: int, out_shape: tuple,
                  in_place: bool, info: int = 0, in_bytes: int = 0, out_bytes: int = 0, like_x: bool = False):
@@ -78,6 +78,7 @@ class Call:
         # The engine's prepared launch of this shape (Engine.bind), once a call ran through execute(): None
         # until then, False where the engine does not bind (or a launch gate must see each call).
         self.launch: Any = None
+        self.splits: Any = None  # (input rows per peer, output rows per peer) of an exchange (all_to_all_v)
 
 
 def coerce_config(config: Any) -> PurlinConfig:
@@ -321,6 +322,8 @@ class CallPath:
         call = Call(spec, name, sched, fp, out_shape, in_place,
                     call_info(name, x.dtype, nbytes, plan), x.nbytes, x.element_size() * math.prod(out_shape),
                     out_shape == tuple(x.shape))
+        if spec.variable and spec.input.sliced and spec.output.sliced and not (spec.input.rooted or spec.output.rooted):
+            call.splits = (tuple(in_rows), tuple(out_rows))  # the launch gate compares them across ranks
         if key is not None:
             if len(self.calls) >= self.maxsize:
                 del self.calls[next(iter(self.calls))]  # the oldest entry

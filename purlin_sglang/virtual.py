@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .config import PurlinConfig
-from .engines.base import mismatch_message
+from .engines.base import mismatch_message, split_mismatch
 from .errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
                      rejected_error)
 from .memory import HostWorkspace, WorkspaceLayout
@@ -240,12 +240,14 @@ class LaunchGate:
         self._rejects: dict[int, dict[int, str]] = {}  # call number -> {rank: its error}: arguments rejected
         self._cond = threading.Condition()
 
-    def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: Any = "") -> None:
+    def enter(self, rank: int, seq: int, op: str, fingerprint: int = 0, what: Any = "", splits: Any = None) -> None:
         """Meet every rank at call ``seq``; ranks whose calls differ (``fingerprint``: the call's
         cross-rank invariants; ``what``: how to name it, a string or (dtype, shape), formatted only
-        for the error: nothing is formatted on the hot path) get a PurlinMismatchError naming both sides."""
+        for the error: nothing is formatted on the hot path) get a PurlinMismatchError naming both sides.
+        ``splits`` (an exchange's (input rows per peer, output rows per peer)): where two ranks disagree on
+        the rows between them, every rank raises the same PurlinMismatchError naming both arguments."""
         with self._cond:
-            self._calls[rank] = (seq, fingerprint, what or op, op)
+            self._calls[rank] = (seq, fingerprint, what or op, op, splits)
         self._meet("reach", rank, seq, op)
         with self._cond:
             rejected = self._rejects.get(seq)
@@ -257,6 +259,10 @@ class LaunchGate:
                     raise PurlinMismatchError(
                         mismatch_message(op, rank, peer, seq, _describe(mine), _describe(theirs)),
                         op=op, rank=rank, peer=peer)
+            if splits is not None and all(c is not None and c[0] == seq and c[4] for c in self._calls):
+                why = split_mismatch(op, [c[4][0] for c in self._calls], [c[4][1] for c in self._calls])
+                if why is not None:
+                    raise PurlinMismatchError(why, op=op, rank=rank)
 
     def reject(self, rank: int, seq: int, op: str, cause: str) -> None:
         """Rank ``rank`` rejected its own arguments of call ``seq`` (``cause``: its error message): it
@@ -281,7 +287,7 @@ class LaunchGate:
         if torch.cuda.is_current_stream_capturing():
             launch()
             return
-        self.enter(rank, ctx.seq, ctx.op, ctx.fingerprint, (ctx.dtype, ctx.x.shape))
+        self.enter(rank, ctx.seq, ctx.op, ctx.fingerprint, (ctx.dtype, ctx.x.shape), ctx.splits)
         launch()
         self.launched(rank, ctx.seq, ctx.op)
 

@@ -180,3 +180,26 @@ def test_communicator_calls_go_through_the_gate(monkeypatch):
     assert sorted(seen) == [(0, 1, "all_reduce"), (0, 2, "all_gather"), (1, 1, "all_reduce"), (1, 2, "all_gather")]
     with pytest.raises(PurlinMismatchError):
         ps.run_virtual(2, lambda c: c.all_reduce(xs[c.rank]) if c.rank == 0 else c.all_gather(xs[c.rank]))
+
+
+def test_ranks_whose_exchange_splits_disagree_all_raise_naming_both_arguments():
+    # rank 2 sends 1 row to rank 1, which expects 2 from it; ranks 0 and 1 and 2 all raise, none launches
+    world = 3
+    sends = [(1, 1, 1), (1, 1, 1), (1, 1, 1)]
+    expects = [(1, 1, 1), (1, 1, 2), (1, 1, 1)]
+    gate = LaunchGate(world, 10)
+
+    def body(r):
+        gate.enter(r, 1, "all_to_all_v", 7, "x", (sends[r], expects[r]))
+
+    errors = _run(world, body)
+    for e in errors:
+        assert isinstance(e, PurlinMismatchError), errors
+        assert ("all_to_all_v: rank 2 sends 1 row to rank 1 (its input_splits[1]) but rank 1 expects 2 rows "
+                "from rank 2 (its output_splits[2])") in str(e), str(e)
+    # splits that agree pass: rank r expects from p what p sends to r
+    uneven = [(0, 2, 1), (3, 0, 0), (1, 1, 4)]
+    good = LaunchGate(world, 10)
+    agreed = _run(world, lambda r: good.enter(r, 1, "all_to_all_v", 7, "x",
+                                              (uneven[r], tuple(uneven[p][r] for p in range(world)))))
+    assert agreed == [None] * world, agreed

@@ -91,6 +91,20 @@ SPLIT_ARGS = {
 SPLIT_ARGS_RUN = (("in_splits", "c"), ("out_splits", "p"))
 
 
+def split_mismatch(op: str, sends: "list | tuple", expects: "list | tuple") -> "str | None":
+    """The first pair of ranks whose splits disagree, as the message every rank raises, or None:
+    ``sends[p][q]`` rows rank p sends to rank q (its input splits), ``expects[q][p]`` rows rank q
+    expects from rank p (its output splits)."""
+    (in_term, _), (out_term, _) = SPLIT_ARGS.get(op, SPLIT_ARGS_RUN)
+    for p, row in enumerate(sends):
+        for q, n in enumerate(row):
+            if n != expects[q][p]:
+                return (f"{op}: rank {p} sends {rows_phrase(n)} to rank {q} (its {in_term}[{q}]) but rank {q} "
+                        f"expects {rows_phrase(expects[q][p])} from rank {p} (its {out_term}[{p}]); the two must "
+                        "be equal")
+    return None
+
+
 def rows_phrase(n: int) -> str:
     """``1 row`` or ``n rows``: a row count in an error message."""
     return f"{n} row{'s' if n != 1 else ''}"
@@ -113,12 +127,13 @@ class CallContext:
     ``out`` are flat uint8 views of them, made on first use: the CPU engine works on those, the
     CUDA engine reads only the data pointers, so its calls make no views."""
 
-    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "info", "_inp", "_out")
+    __slots__ = ("op", "seq", "fingerprint", "dtype", "x", "y", "info", "splits", "_inp", "_out")
 
     def __init__(self, op: str, seq: int, fp: int, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor,
-                 info: int = 0):
+                 info: int = 0, splits: Any = None):
         self.op, self.seq, self.fingerprint, self.dtype, self.x, self.y = op, seq, fp, dtype, x, y
         self.info = info  # the call's description code (call_info), for mismatch messages
+        self.splits = splits  # (input rows per peer, output rows per peer) of an exchange with both, else None
         self._inp = self._out = None
 
     @property

@@ -35,6 +35,7 @@ import torch
 from ..calls import CacheInfo, CallPath
 from ..collectives import CollectiveSpec
 from ..engines import closed_error
+from ..engines.base import split_mismatch
 from ..errors import PurlinError, PurlinMismatchError, PurlinUnavailableError, PurlinValueError
 from .cross import CrossLink, backend_for, make_groups
 from .layout import NodeLayout
@@ -238,12 +239,9 @@ class TwoLevel:
         mat = self._gather_sizes(torch.tensor([send + recv], dtype=torch.int64, device=self.device), [1] * w)
         mat = mat.cpu().tolist()
         s = [row[:w] for row in mat]  # s[p][q]: rows p sends to q
-        for p in range(w):
-            for q in range(w):
-                if s[p][q] != mat[q][w + p]:
-                    raise PurlinMismatchError(
-                        f"all_to_all_v: rank {p} sends {s[p][q]} row(s) to rank {q} (its input_splits[{q}]) but "
-                        f"rank {q} expects {mat[q][w + p]} from rank {p} (its output_splits[{p}])")
+        why = split_mismatch("all_to_all_v", s, [row[w:] for row in mat])
+        if why is not None:
+            raise PurlinMismatchError(why, op="all_to_all_v", rank=me)
         # hop 1, inside the node: to local rank j, my rows for (m, j), m in node order
         rest = tuple(x.shape[1:])
         blocks = list(x.split(send))

@@ -48,3 +48,34 @@ def test_a_rejected_call_on_one_virtual_rank(bad_rank):
         if r != bad_rank:
             name, msg, rank, cause = err
             assert name == "PurlinRejectedError" and rank == bad_rank and cause == own and own in msg, err
+
+
+def test_disagreeing_all_to_all_v_splits_raise_on_every_virtual_rank_naming_both_arguments():
+    world = 4
+
+    def fn(comm):
+        dev, r = comm.device, comm.rank
+        send = [r + q for q in range(world)]  # rank p sends p + q rows to rank q
+        recv = [p + r for p in range(world)]
+        bad = list(recv)
+        if r == 1:
+            bad[3] += 1  # rank 1 expects one row more from rank 3 than rank 3 sends
+        x = torch.arange(sum(send), device=dev, dtype=torch.float32) + 100 * r
+        t0 = time.monotonic()
+        try:
+            comm.all_to_all_v(x, send, bad)
+            err = None
+        except ps.PurlinMismatchError as e:
+            err = str(e)
+        dt = time.monotonic() - t0
+        y = comm.all_to_all_v(x, send, recv)  # the communicator stays usable: a correct call after it
+        torch.cuda.synchronize(dev)
+        want = torch.cat([(torch.arange(sum(p + q for q in range(world))) + 100 * p)[sum(p + q for q in range(r)):
+                                                                              sum(p + q for q in range(r + 1))]
+                          for p in range(world)])
+        return err, dt, torch.equal(y.cpu(), want.float())
+
+    for r, (err, dt, ok) in enumerate(ps.run_virtual(world, fn, device="cuda", config=CFG)):
+        assert err is not None and ("rank 3 sends 4 rows to rank 1 (its input_splits[1]) but rank 1 expects 5 rows "
+                                    "from rank 3 (its output_splits[3])") in err, (r, err)
+        assert dt < 1.0 and ok, (r, dt, ok)
