@@ -98,6 +98,20 @@ def moe_communicator(group: Any, config_path: Optional[str] = None) -> Any:
 _warned: set = set()
 
 
+class KeepSGLangDispatcher(PurlinError):
+    """This EP group cannot use purlin's dispatcher (the message says why): SGLang's own stays."""
+
+
+def across_nodes(comm: Any) -> Optional[str]:
+    """Why a CUDA EP group across nodes keeps SGLang's dispatcher, or None: purlin's MoE exchange across
+    nodes reads its row counts on the host and cannot be captured in SGLang's decode CUDA graphs."""
+    layout = getattr(comm, "layout", None)
+    if layout is None or layout.count <= 1 or comm.device.type != "cuda":
+        return None
+    return (f"the EP group spans {layout.count} nodes, and purlin's MoE exchange across nodes is eager only "
+            "(not capturable in CUDA graphs)")
+
+
 def _say_once(text: str) -> None:
     """Log ``text`` at INFO once per process (every MoE layer builds a dispatcher)."""
     if text not in _warned:
@@ -160,6 +174,9 @@ class PurlinMoEDispatcher(BaseDispatcher):
         self.group = group if group is not None else parallel.moe_ep_group
         path = config_path if config_path is not None else active_settings().config_path
         self.comm = moe_communicator(self.group, path)
+        why = across_nodes(self.comm)
+        if why is not None:  # the same on every rank of the group
+            raise KeepSGLangDispatcher(why)
         if self.comm.world_size != self.moe_ep_size or self.comm.rank != self.moe_ep_rank:
             raise PurlinError(f"purlin MoE dispatcher: the EP group's communicator is rank {self.comm.rank} of "
                               f"{self.comm.world_size}, SGLang says rank {self.moe_ep_rank} of {self.moe_ep_size}")

@@ -11,12 +11,14 @@ Nothing here imports SGLang at module import time.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher"
 _said: set[str] = set()
+FALLBACKS: Counter = Counter()  # reason -> MoE layers that kept SGLang's dispatcher after purlin's was chosen
 
 
 def _once(level: int, text: str) -> None:
@@ -55,4 +57,9 @@ def create_moe_dispatcher(original, moe_runner_config: Any, quant_method: Any = 
     if why is not None:
         _once(logging.INFO, f"purlin_sglang: MoE layers use SGLang's standard dispatcher: {why}")
         return original(moe_runner_config, quant_method, *args, **kwargs)
-    return moe_dispatcher.PurlinMoEDispatcher(moe_runner_config, cfg)
+    try:
+        return moe_dispatcher.PurlinMoEDispatcher(moe_runner_config, cfg)
+    except moe_dispatcher.KeepSGLangDispatcher as e:
+        FALLBACKS[str(e)] += 1
+        _once(logging.WARNING, f"purlin_sglang: MoE layers use SGLang's standard dispatcher: {e}")
+        return original(moe_runner_config, quant_method, *args, **kwargs)

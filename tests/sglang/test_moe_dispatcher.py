@@ -94,3 +94,41 @@ def test_hook_calls_through_without_purlin():
         assert moe_hooks.create_moe_dispatcher(original, "cfg", "qm") == "sglang's"
     assert calls == [("cfg", "qm"), ("cfg", "qm")]
 
+
+
+def test_a_cuda_ep_group_across_nodes_keeps_sglangs_dispatcher_with_the_reason():
+    """purlin's MoE exchange across nodes cannot be captured, so a CUDA EP group on several nodes keeps
+    SGLang's dispatcher (the hook logs and counts why); one node, or the CPU, keeps purlin's."""
+    import types
+
+    from purlin_sglang.multinode.layout import NodeLayout
+    from purlin_sglang.sglang import moe_dispatcher, moe_hooks
+
+    def comm(nodes, device):
+        return types.SimpleNamespace(layout=NodeLayout(tuple(nodes)), device=torch.device(device))
+
+    why = moe_dispatcher.across_nodes(comm([0, 0, 1, 1], "cuda"))
+    assert why is not None and "spans 2 nodes" in why and "eager only" in why
+    assert moe_dispatcher.across_nodes(comm([0, 0, 1, 1], "cpu")) is None
+    assert moe_dispatcher.across_nodes(comm([0, 0], "cuda")) is None
+    assert moe_dispatcher.across_nodes(types.SimpleNamespace(device=torch.device("cuda"))) is None  # one node
+
+    class Refusing:
+        def __init__(self, *a, **k):
+            raise moe_dispatcher.KeepSGLangDispatcher(why)
+
+    saved = (moe_hooks.purlin_moe_config, moe_dispatcher.why_not, moe_dispatcher.PurlinMoEDispatcher)
+    import sglang.srt.layers.moe as sgl_moe
+
+    saved_a2a = sgl_moe.get_moe_a2a_backend
+    try:
+        moe_hooks.purlin_moe_config = lambda: object()
+        moe_dispatcher.why_not = lambda cfg: None
+        moe_dispatcher.PurlinMoEDispatcher = Refusing
+        sgl_moe.get_moe_a2a_backend = lambda: types.SimpleNamespace(is_none=lambda: True)
+        before = moe_hooks.FALLBACKS[why]
+        assert moe_hooks.create_moe_dispatcher(lambda *a, **k: "sglang's", "cfg", "qm") == "sglang's"
+        assert moe_hooks.FALLBACKS[why] == before + 1
+    finally:
+        moe_hooks.purlin_moe_config, moe_dispatcher.why_not, moe_dispatcher.PurlinMoEDispatcher = saved
+        sgl_moe.get_moe_a2a_backend = saved_a2a
