@@ -45,7 +45,8 @@ class VirtualWorld:
         if nodes is not None and (len(nodes) != world or len(set(nodes)) > 1):
             raise PurlinUnavailableError(
                 f"run_virtual: topology.node_of_rank {list(nodes)} does not describe {world} virtual ranks on one "
-                "node (they are threads of one process); to simulate several nodes, run processes with a Communicator each")
+                "node (they are threads of one process); to simulate several nodes, run processes with a "
+                "Communicator each")
         self.gate = None
         if device.type == "cuda":
             from .memory.loopback import LoopbackWorld

@@ -39,6 +39,7 @@ from ..engines.base import split_mismatch
 from ..errors import PurlinError, PurlinMismatchError, PurlinUnavailableError, PurlinValueError
 from .cross import CrossLink, backend_for, make_groups
 from .layout import NodeLayout
+from .moe import make_moe
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -72,14 +73,15 @@ def _even(n: int, parts: int) -> list[int]:
 
 
 class TwoLevel:
-    _node_class: type  # the Communicator class of the node stage (set by the class that derives from both)
-
     """What a Communicator over several nodes does differently (``purlin_sglang.api.MultiNodeCommunicator``
     derives from this and from Communicator; ``Communicator(...)`` makes one itself when the group's
-    ranks sit on several nodes; see the module). The same API and contracts, with these differences: reductions are two-level (module docstring); ``algorithm`` answers
-    ``two-level``; ``symmetric_empty``, ``cache_info`` and ``tuning_info`` are the node stage's; a
-    spec outside the catalog raises PurlinUnavailableError; an argument error raises on the erring
-    rank only (its peers wait for it up to ``timeout_s``)."""
+    ranks sit on several nodes; see the module). The same API and contracts, with these differences:
+    reductions are two-level (module docstring); ``algorithm`` answers ``two-level``;
+    ``symmetric_empty``, ``cache_info`` and ``tuning_info`` are the node stage's; a spec outside the
+    catalog raises PurlinUnavailableError; an argument error raises on the erring rank only (its
+    peers wait for it up to ``timeout_s``)."""
+
+    _node_class: type  # the Communicator class of the node stage (set by the class that derives from both)
 
     def _init_nodes(self, group: Any, rank: int, world: int, layout: NodeLayout, backend: str) -> None:
         self.rank, self.world_size, self.group = rank, world, group
@@ -89,16 +91,14 @@ class TwoLevel:
         self._moe = None
         self._seq = 0
         self._path = CallPath(rank, world, self.device, self.config, packets=False)
-        local_group, cross_group, cross_ranks = make_groups(group, layout, rank, backend, self.config.timeouts.setup_s)
+        local_group, cross_group, cross_ranks = make_groups(group, layout, rank, backend,
+                                                            self.config.timeouts.setup_s)
         cfg = self.config.model_copy(update={"topology": self.config.topology.model_copy(
             update={"node_of_rank": (0,) * layout.local_size})})
         self.local = self._node_class(local_group, self.device, cfg)  # a plain Communicator of the node
         self.link = CrossLink(cross_group, self._node_index, cross_ranks)
-        self._groups = (local_group, cross_group)
         self.engine_name = f"{self.local.engine_name}+{backend}"
         self._closed = False
-        from .moe import make_moe
-
         self._moe = make_moe(self)
 
     # -- what the node stage answers ----------------------------------------------------------
@@ -179,8 +179,24 @@ class TwoLevel:
         return self.local.all_gather_v(res, parts)
 
     def _order(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Blocks in rank order -> in local-major order (:meth:`NodeLayout.local_major`)."""
-        return [blocks[r] for r in self.layout.local_major()]
+        """Blocks in rank order -> in local-major order (:attr:`NodeLayout.local_major`)."""
+        return [blocks[r] for r in self.layout.local_major]
+
+    def _in_rank_order(self, blocks: Any, order: tuple[int, ...]) -> torch.Tensor:
+        """``blocks[k]`` belongs to rank ``order[k]``: their concatenation in rank order."""
+        by_rank: list[Optional[torch.Tensor]] = [None] * self.world_size
+        for r, b in zip(order, blocks):
+            by_rank[r] = b
+        return torch.cat(by_rank)
+
+    def _per_local(self, sizes: list[int]) -> list[int]:
+        """Per local rank j: the sum of ``sizes`` over the ranks of local index j on every node."""
+        return [sum(sizes[r] for r in self.layout.local_major[j * self.layout.count:(j + 1) * self.layout.count])
+                for j in range(self.layout.local_size)]
+
+    def _of_my_index(self, sizes: list[int]) -> list[int]:
+        """``sizes`` of the ranks with this rank's local index, in node order."""
+        return [sizes[rs[self._local_rank]] for rs in self.layout.by_node]
 
     def _reduce_scatter(self, x: torch.Tensor, c, root) -> torch.Tensor:
         return self._reduce_scatter_sizes(x, c, [x.shape[0] // self.world_size] * self.world_size)
@@ -190,11 +206,11 @@ class TwoLevel:
 
     def _reduce_scatter_sizes(self, x: torch.Tensor, c, sizes: list[int]) -> torch.Tensor:
         op = c.consume.reduce.value
-        lay, n, li = self.layout, self.layout.count, self._local_rank
+        n = self.layout.count
         xb = torch.cat(self._order(list(x.split(sizes)))) if x.shape[0] else x
-        local_sizes = [sum(sizes[lay.rank_at(m, j)] for m in range(n)) for j in range(lay.local_size)]
-        partial = self.local.reduce_scatter_v(xb, local_sizes, op)  # blocks for ranks (m, li), m in order
-        send = [sizes[lay.rank_at(m, li)] for m in range(n)]
+        # the node partials of the blocks for ranks (m, li), m in node order
+        partial = self.local.reduce_scatter_v(xb, self._per_local(sizes), op)
+        send = self._of_my_index(sizes)
         mine = sizes[self.rank]
         got = self.link.all_to_all(partial, send, [mine] * n)
         return reduce_nodes(got.view((n, mine) + tuple(x.shape[1:])), op, x.dtype)
@@ -206,22 +222,16 @@ class TwoLevel:
         return self._gather_sizes(x, list(c.out_rows))
 
     def _gather_sizes(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        lay, n, li = self.layout, self.layout.count, self._local_rank
-        mine = [sizes[lay.rank_at(m, li)] for m in range(n)]
+        mine = self._of_my_index(sizes)
         top = max(mine)
         if top != x.shape[0]:  # pad to the largest of my local index's rows, to gather equal blocks
             x = torch.cat([x, x.new_empty((top - x.shape[0],) + tuple(x.shape[1:]))])
         across = self.link.all_gather(x)
         if top != min(mine):
             across = torch.cat([b[:k] for b, k in zip(across.split(top), mine)])
-        local_sizes = [sum(sizes[lay.rank_at(m, j)] for m in range(n)) for j in range(lay.local_size)]
-        allg = self.local.all_gather_v(across, local_sizes)
-        order = lay.local_major()
-        blocks = allg.split([sizes[r] for r in order])
-        by_rank: list[Optional[torch.Tensor]] = [None] * self.world_size
-        for r, b in zip(order, blocks):
-            by_rank[r] = b
-        return torch.cat(by_rank)
+        allg = self.local.all_gather_v(across, self._per_local(sizes))
+        order = self.layout.local_major
+        return self._in_rank_order(allg.split([sizes[r] for r in order]), order)
 
     def _all_to_all(self, x: torch.Tensor, c, root) -> torch.Tensor:
         rows = x.shape[0] // self.world_size
@@ -235,7 +245,7 @@ class TwoLevel:
         nodes. Every rank first learns every rank's splits (one two-level all_gather of 2W ints), so a
         disagreement raises PurlinMismatchError on every rank before any row moves."""
         lay, n, w, size = self.layout, self.layout.count, self.world_size, self.layout.local_size
-        me, li = self.rank, self._local_rank
+        me = self.rank
         mat = self._gather_sizes(torch.tensor([send + recv], dtype=torch.int64, device=self.device), [1] * w)
         mat = mat.cpu().tolist()
         s = [row[:w] for row in mat]  # s[p][q]: rows p sends to q
@@ -245,24 +255,22 @@ class TwoLevel:
         # hop 1, inside the node: to local rank j, my rows for (m, j), m in node order
         rest = tuple(x.shape[1:])
         blocks = list(x.split(send))
-        hop = [blocks[lay.rank_at(m, j)] for j in range(size) for m in range(n)]
-        src = [lay.rank_at(self._node_index, j) for j in range(size)]  # my node's ranks, by local rank
-        out1 = [sum(s[me][lay.rank_at(m, j)] for m in range(n)) for j in range(size)]
-        in1 = [sum(s[p][lay.rank_at(m, li)] for m in range(n)) for p in src]
+        hop = self._order(blocks)
+        src = lay.by_node[self._node_index]  # my node's ranks, by local rank
+        out1 = self._per_local(s[me])
+        in1 = [sum(self._of_my_index(s[p])) for p in src]
         got = self.local.all_to_all_v(torch.cat(hop) if hop else x, out1, in1)
         # on the relay: from local rank j, blocks for (m, li) in node order -> regroup by node m
-        pieces = got.split([s[p][lay.rank_at(m, li)] for p in src for m in range(n)])
+        mine = [self._of_my_index(s[p]) for p in src]  # mine[j][m]: rows local rank j sends to (m, li)
+        pieces = got.split([k for row in mine for k in row])
         by_node = [pieces[j * n + m] for m in range(n) for j in range(size)]
-        send2 = [sum(s[p][lay.rank_at(m, li)] for p in src) for m in range(n)]
+        send2 = [sum(col) for col in zip(*mine)]
         recv2 = [sum(recv[lay.rank_at(m, j)] for j in range(size)) for m in range(n)]
         body = torch.cat(by_node) if by_node else got
         across = self.link.all_to_all(body.reshape((-1,) + rest), send2, recv2)
         # from node m, blocks of sources (m, j), j in order -> rank order
-        parts = across.split([recv[lay.rank_at(m, j)] for m in range(n) for j in range(size)])
-        by_rank: list[Optional[torch.Tensor]] = [None] * w
-        for k, part in enumerate(parts):
-            by_rank[lay.rank_at(k // size, k % size)] = part
-        return torch.cat(by_rank)
+        order = lay.node_major
+        return self._in_rank_order(across.split([recv[r] for r in order]), order)
 
     def _broadcast(self, x: torch.Tensor, c, root: int) -> torch.Tensor:
         out = c.out

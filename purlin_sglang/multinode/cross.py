@@ -50,7 +50,7 @@ def make_groups(group: Any, layout: NodeLayout, rank: int, backend: str,
 
     members = dist.get_process_group_ranks(group) if group is not None else list(range(layout.world))
     m, li = layout.place(rank)
-    node = [members[r] for r in layout.ranks_of(layout.node_ids[m])]
+    node = [members[r] for r in layout.by_node[m]]
     cross = [members[layout.rank_at(n, li)] for n in range(layout.count)]
     timeout = timedelta(seconds=max(timeout_s, 1.0))
     local_group = dist.new_group(node, timeout=timeout, backend="gloo", use_local_synchronization=True)
