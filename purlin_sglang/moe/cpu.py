@@ -29,6 +29,30 @@ def combine_status(ctx: MoEContext, error: Exception | None = None) -> None:
     raise_rejected(MOE_COMBINE.name, got.view(ctx.world, -1), error)
 
 
+def token_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The bytes [len(index), row bytes] of rows ``index`` of the 2-D ``src``."""
+    row_bytes = src.element_size() * src.shape[1]
+    if not src.shape[0]:
+        return torch.empty(0, row_bytes, dtype=torch.uint8, device=src.device)
+    return src.reshape(src.shape[0], -1).view(torch.uint8)[index]
+
+
+def scale_words(scales: Optional[torch.Tensor], t_of: torch.Tensor) -> torch.Tensor:
+    """[len(t_of), 1] int64: the float32 bits of tokens ``t_of``'s scales (1 without FP8), a header word."""
+    sc = (scales[t_of] if scales is not None else torch.ones(len(t_of), device=t_of.device)).to(torch.float32)
+    return sc.view(torch.int32).to(torch.int64)[:, None]
+
+
+def pack(header: torch.Tensor, body: torch.Tensor) -> torch.Tensor:
+    """Packed rows [n, 8 w + b] uint8: the int64 ``header`` words [n, w], then the ``body`` bytes [n, b]."""
+    return torch.cat([header.contiguous().view(torch.uint8).reshape(len(header), 8 * header.shape[1]), body], 1)
+
+
+def header_of(rows: torch.Tensor, words: int) -> torch.Tensor:
+    """The int64 header words [n, words] of packed ``rows``."""
+    return rows[:, : words * 8].reshape(-1).view(torch.int64).reshape(len(rows), words)
+
+
 @dataclass
 class Routed:
     """A dispatch after its prologue: the route, the payload rows, the count matrix [W, E] and the
@@ -49,8 +73,6 @@ class Routed:
 def prologue(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.Tensor, ids: torch.Tensor) -> Routed:
     """Route, quantise, the count exchange (every rank raises alike for a bad call), and pack the rows."""
     world, e_n = ctx.world, plan.num_experts
-    t_n = ids.shape[0]
-    hidden = x.shape[1]
     r = route(ids, e_n, world)
     payload, scales = (quantize_fp8(x) if plan.quant == "fp8" else (x, None))
     # CountExchange: header agreement, then counts per global expert and tokens per destination rank
@@ -61,13 +83,8 @@ def prologue(ctx: MoEContext, exchange: CountExchange, plan: MoEPlan, x: torch.T
     d_of, t_of = pairs[:, 0], pairs[:, 1]
     hdr_le = torch.where(r.dst[t_of] == d_of[:, None], r.le[t_of], -1)
     hdr_j = torch.where(r.dst[t_of] == d_of[:, None], r.j[t_of], -1)
-    sc = (scales[t_of] if scales is not None else torch.ones(len(t_of), device=x.device)).to(torch.float32)
-    header = torch.cat([t_of[:, None], hdr_le, hdr_j, sc.view(torch.int32).to(torch.int64)[:, None]], dim=1)
-    row_bytes = payload.element_size() * hidden
-    body = (payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n
-            else torch.empty(0, row_bytes, dtype=torch.uint8, device=x.device))
-    packed = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * header.shape[1]),
-                        body.reshape(len(t_of), row_bytes)], 1)
+    header = torch.cat([t_of[:, None], hdr_le, hdr_j, scale_words(scales, t_of)], dim=1)
+    packed = pack(header, token_rows(payload, t_of))
     return Routed(r, payload, scales, matrix, tokens, d_of, t_of, packed.contiguous())
 
 
@@ -98,7 +115,7 @@ def expand(ctx: MoEContext, plan: MoEPlan, routed: Routed, recv: torch.Tensor, s
     row_bytes = payload.element_size() * hidden
     hw = 2 * k_n + 2
     n_recv = recv.shape[0]
-    rh = recv[:, : hw * 8].reshape(-1).view(torch.int64).reshape(n_recv, hw)
+    rh = header_of(recv, hw)
     recv = recv.reshape(n_recv, hw * 8 + row_bytes)
     rbody = recv[:, hw * 8:]
     mine = matrix[:, me * local:(me + 1) * local]  # [W, L] rows from source p for local expert e
@@ -143,11 +160,9 @@ def combine(ctx: MoEContext, expert_out: torch.Tensor, d: MoEDispatch) -> torch.
     n_back = torch.bincount(key, minlength=world + 1)[:world]
     order = order[: int(n_back.sum())]
     row_bytes = expert_out.element_size() * hidden
-    body = expert_out.view(torch.uint8).reshape(-1, row_bytes)[order] if d.rows else \
-        torch.empty(0, row_bytes, dtype=torch.uint8, device=expert_out.device)
-    packed = torch.cat([d.src_slot[order].contiguous().view(torch.uint8).reshape(-1, 8), body], 1)
+    packed = pack(d.src_slot[order][:, None], token_rows(expert_out, order))
     back = ctx.all_to_all_v(packed.contiguous(), n_back.tolist(), list(d._engine)).reshape(-1, 8 + row_bytes)
-    slots = back[:, :8].reshape(-1).view(torch.int64)
+    slots = header_of(back, 1).reshape(-1)
     ret = torch.zeros(t_n * k_n, row_bytes, dtype=torch.uint8, device=expert_out.device)
     ret[slots] = back[:, 8:]
     ret = ret.view(expert_out.dtype).reshape(t_n, k_n, hidden)

@@ -65,32 +65,28 @@ class NodeMoE(cpu.CpuMoE):
     def _put(self, ctx: MoEContext, routed: cpu.Routed) -> tuple[torch.Tensor, torch.Tensor]:
         comm = self.comm
         lay, n, size = comm.layout, comm.layout.count, comm.layout.local_size
-        me, li, m_me = comm.rank, comm._local_rank, comm._node_index
+        me, m_me = comm.rank, comm._node_index
         r, payload = routed.r, routed.payload
         t_n, k_n = r.dst.shape
-        row_bytes = payload.element_size() * payload.shape[1]
         dev = payload.device
-        node_of = torch.tensor([lay.place(d)[0] for d in range(comm.world_size)] + [n], dtype=torch.int64, device=dev)
+        node_of = torch.tensor([lay.place(d)[0] for d in range(comm.world_size)] + [n], dtype=torch.int64,
+                               device=dev)
         dnode = node_of[torch.where(r.dst >= 0, r.dst, comm.world_size)]  # [T, K]; n for skipped slots
         to_node = torch.zeros(t_n, n + 1, dtype=torch.bool, device=dev)
         to_node[torch.arange(t_n, device=dev)[:, None].expand(t_n, k_n), dnode] = True
         pairs = to_node[:, :n].t().nonzero()  # (m, t), m-major then t
         m_of, t_of = pairs[:, 0], pairs[:, 1]
         on_m = dnode[t_of] == m_of[:, None]
-        sc = (routed.scales[t_of] if routed.scales is not None else torch.ones(len(t_of), device=dev)).to(torch.float32)
         header = torch.cat([t_of[:, None], torch.where(on_m, r.dst[t_of], -1), torch.where(on_m, r.le[t_of], -1),
-                            torch.where(on_m, r.j[t_of], -1), sc.view(torch.int32).to(torch.int64)[:, None]], 1)
-        body = (payload.reshape(t_n, -1).view(torch.uint8)[t_of] if t_n
-                else torch.empty(0, row_bytes, dtype=torch.uint8, device=dev))
-        hop1 = torch.cat([header.contiguous().view(torch.uint8).reshape(len(t_of), 8 * (3 * k_n + 2)),
-                          body.reshape(len(t_of), row_bytes)], 1)
+                            torch.where(on_m, r.j[t_of], -1), cpu.scale_words(routed.scales, t_of)], 1)
+        hop1 = cpu.pack(header, cpu.token_rows(payload, t_of))
         send = torch.bincount(m_of, minlength=n)[:n]
         self.rows_across = int(send.sum()) - int(send[m_me])
         recv = comm.link.all_to_all(send.view(n, 1), [1] * n, [1] * n).view(-1).tolist()
         got = comm.link.all_to_all(hop1.contiguous(), send.tolist(), recv)
         # on the relay: each token once per destination rank of this node, with the one-node header
         w1 = 3 * k_n + 2
-        h1 = got[:, : 8 * w1].reshape(-1).view(torch.int64).reshape(-1, w1)
+        h1 = cpu.header_of(got, w1)
         b1 = got[:, 8 * w1:]
         dst1, le1, j1 = h1[:, 1:1 + k_n], h1[:, 1 + k_n:1 + 2 * k_n], h1[:, 1 + 2 * k_n:1 + 3 * k_n]
         rows, counts = [], []
@@ -100,13 +96,14 @@ class NodeMoE(cpu.CpuMoE):
             idx = hit.any(1).nonzero().view(-1)
             hdr = torch.cat([h1[idx, :1], torch.where(hit[idx], le1[idx], -1), torch.where(hit[idx], j1[idx], -1),
                              h1[idx, w1 - 1:]], 1)
-            rows.append(torch.cat([hdr.contiguous().view(torch.uint8).reshape(len(idx), 8 * (2 * k_n + 2)), b1[idx]], 1))
+            rows.append(cpu.pack(hdr, b1[idx]))
             counts.append(len(idx))
         # from relay jj: the tokens of sources (m, jj), m in node order, that come to me
         tokens = routed.tokens
-        srcs = [lay.rank_at(m, jj) for jj in range(size) for m in range(n)]
+        srcs = lay.local_major  # relay jj's sources: (m, jj), m in node order
         per_src = [int(tokens[p, me]) for p in srcs]
         from_relay = [sum(per_src[jj * n:(jj + 1) * n]) for jj in range(size)]
         out = comm.local.all_to_all_v(torch.cat(rows).contiguous(), counts, from_relay)
-        src = torch.repeat_interleave(torch.tensor(srcs, dtype=torch.int64), torch.tensor(per_src, dtype=torch.int64)).to(dev)
+        src = torch.repeat_interleave(torch.tensor(srcs, dtype=torch.int64),
+                                      torch.tensor(per_src, dtype=torch.int64)).to(dev)
         return out, src
