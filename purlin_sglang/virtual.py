@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .config import PurlinConfig
-from .engines.base import mismatch_message, split_mismatch
+from .engines.base import first_split_mismatch, mismatch_message
 from .errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
                      rejected_error)
 from .memory import HostWorkspace, WorkspaceLayout
@@ -261,7 +261,7 @@ class LaunchGate:
                         mismatch_message(op, rank, peer, seq, _describe(mine), _describe(theirs)),
                         op=op, rank=rank, peer=peer)
             if splits is not None and all(c is not None and c[0] == seq and c[4] for c in self._calls):
-                why = split_mismatch(op, [c[4][0] for c in self._calls], [c[4][1] for c in self._calls])
+                why = first_split_mismatch(op, [c[4][0] for c in self._calls], [c[4][1] for c in self._calls])
                 if why is not None:
                     raise PurlinMismatchError(why, op=op, rank=rank)
 

@@ -195,7 +195,7 @@ def test_ranks_whose_exchange_splits_disagree_all_raise_naming_both_arguments():
     errors = _run(world, body)
     for e in errors:
         assert isinstance(e, PurlinMismatchError), errors
-        assert ("all_to_all_v: rank 2 sends 1 row to rank 1 (its input_splits[1]) but rank 1 expects 2 rows "
+        assert ("all_to_all_v: rank 2 sends 1 row to rank 1 (its input_splits[1]), but rank 1 expects 2 rows "
                 "from rank 2 (its output_splits[2])") in str(e), str(e)
     # splits that agree pass: rank r expects from p what p sends to r
     uneven = [(0, 2, 1), (3, 0, 0), (1, 1, 4)]

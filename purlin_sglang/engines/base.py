@@ -91,17 +91,26 @@ SPLIT_ARGS = {
 SPLIT_ARGS_RUN = (("in_splits", "c"), ("out_splits", "p"))
 
 
-def split_mismatch(op: str, sends: "list | tuple", expects: "list | tuple") -> "str | None":
+SPLITS_DISAGREE = "the split sizes disagree between ranks: every rank must pass sizes that agree with its peers'"
+
+
+def split_pair_message(op: str, p: int, c: int, sent: str, expected: str) -> str:
+    """The one sentence of producer ``p`` sending ``sent`` (rows, as a phrase) to consumer ``c``, which
+    expects ``expected``: with the caller's argument names (:data:`SPLIT_ARGS`)."""
+    (send_arg, send_at), (recv_arg, recv_at) = SPLIT_ARGS.get(op, SPLIT_ARGS_RUN)
+    at = {"p": p, "c": c}
+    return (f"{op}: rank {p} sends {sent} to rank {c} (its {send_arg}[{at[send_at]}]), but rank {c} "
+            f"expects {expected} from rank {p} (its {recv_arg}[{at[recv_at]}])")
+
+
+def first_split_mismatch(op: str, sends: "list | tuple", expects: "list | tuple") -> "str | None":
     """The first pair of ranks whose splits disagree, as the message every rank raises, or None:
     ``sends[p][q]`` rows rank p sends to rank q (its input splits), ``expects[q][p]`` rows rank q
     expects from rank p (its output splits)."""
-    (in_term, _), (out_term, _) = SPLIT_ARGS.get(op, SPLIT_ARGS_RUN)
     for p, row in enumerate(sends):
         for q, n in enumerate(row):
             if n != expects[q][p]:
-                return (f"{op}: rank {p} sends {rows_phrase(n)} to rank {q} (its {in_term}[{q}]) but rank {q} "
-                        f"expects {rows_phrase(expects[q][p])} from rank {p} (its {out_term}[{p}]); the two must "
-                        "be equal")
+                return f"{split_pair_message(op, p, q, rows_phrase(n), rows_phrase(expects[q][p]))}; {SPLITS_DISAGREE}"
     return None
 
 

@@ -27,7 +27,7 @@ from ..errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, Purli
 from ..memory.host import HostWorkspace
 from ..memory.layout import REJECT_WORDS, REJECTED, RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
-from .base import SPLIT_ARGS, SPLIT_ARGS_RUN, CallContext, describe_info, mismatch_message, rows_phrase
+from .base import SPLITS_DISAGREE, CallContext, describe_info, mismatch_message, rows_phrase, split_pair_message
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -37,14 +37,10 @@ def split_mismatch(ctx: "CallContext", p: int, c: int, sent: int, expected: int)
     in rows, with the caller's argument names."""
     x = ctx.x
     row = x.element_size() * (int(torch.Size(x.shape[1:]).numel()) if x.dim() else 1)
-    (send_arg, send_at), (recv_arg, recv_at) = SPLIT_ARGS.get(ctx.op, SPLIT_ARGS_RUN)
-    at = {"p": p, "c": c}
-    send_term, recv_term = f"{send_arg}[{at[send_at]}]", f"{recv_arg}[{at[recv_at]}]"
+
     def rows(n: int) -> str:
         return rows_phrase(n // row) if row and n % row == 0 else f"{n} bytes"
-    return (f"{ctx.op}: rank {p} sends {rows(sent)} to rank {c} (its {send_term}), but rank {c} "
-            f"expects {rows(expected)} from rank {p} (its {recv_term}) in call #{ctx.seq}; the split "
-            "sizes disagree between ranks: every rank must pass sizes that agree with its peers'")
+    return f"{split_pair_message(ctx.op, p, c, rows(sent), rows(expected))} in call #{ctx.seq}; {SPLITS_DISAGREE}"
 
 
 def _pause(polls: int) -> None:

@@ -35,7 +35,7 @@ import torch
 from ..calls import CacheInfo, CallPath
 from ..collectives import CollectiveSpec
 from ..engines import closed_error
-from ..engines.base import split_mismatch
+from ..engines.base import first_split_mismatch
 from ..errors import PurlinError, PurlinMismatchError, PurlinUnavailableError, PurlinValueError
 from .cross import CrossLink, backend_for, make_groups
 from .layout import NodeLayout
@@ -249,7 +249,7 @@ class TwoLevel:
         mat = self._gather_sizes(torch.tensor([send + recv], dtype=torch.int64, device=self.device), [1] * w)
         mat = mat.cpu().tolist()
         s = [row[:w] for row in mat]  # s[p][q]: rows p sends to q
-        why = split_mismatch("all_to_all_v", s, [row[w:] for row in mat])
+        why = first_split_mismatch("all_to_all_v", s, [row[w:] for row in mat])
         if why is not None:
             raise PurlinMismatchError(why, op="all_to_all_v", rank=me)
         # hop 1, inside the node: to local rank j, my rows for (m, j), m in node order

@@ -76,6 +76,6 @@ def test_disagreeing_all_to_all_v_splits_raise_on_every_virtual_rank_naming_both
         return err, dt, torch.equal(y.cpu(), want.float())
 
     for r, (err, dt, ok) in enumerate(ps.run_virtual(world, fn, device="cuda", config=CFG)):
-        assert err is not None and ("rank 3 sends 4 rows to rank 1 (its input_splits[1]) but rank 1 expects 5 rows "
+        assert err is not None and ("rank 3 sends 4 rows to rank 1 (its input_splits[1]), but rank 1 expects 5 rows "
                                     "from rank 3 (its output_splits[3])") in err, (r, err)
         assert dt < 1.0 and ok, (r, dt, ok)

@@ -130,7 +130,7 @@ def test_split_disagreements_and_custom_specs_raise_on_every_rank_and_the_group_
     with tempfile.TemporaryDirectory() as shm:
         got = launch(_errors_job, 4, shm, timeout_s=300)
     for seen in got:
-        assert "rank 3 sends 1 row to rank 1 (its input_splits[1]) but rank 1 expects 2 rows" in seen[0], seen
+        assert "rank 3 sends 1 row to rank 1 (its input_splits[1]), but rank 1 expects 2 rows" in seen[0], seen
         assert "my_gather: a collective outside the catalog cannot run across nodes" in seen[1], seen
         assert seen[2] == [4.0, 4.0, 4.0], seen
         assert seen[3][0] == "two-level" and seen[3][1] and "nodes=2" in seen[3][2], seen
