@@ -6,7 +6,8 @@ the tokens one rank may dispatch in one call there, and it is the capacity of a 
 names none (CUDA graph capture; the SGLang dispatcher on CUDA). The CPU engine has no region and no
 such bound. Whoever refuses a call over the bound (the CUDA engine's MoE part, the SGLang dispatcher
 for its largest shard) asks :func:`token_excess`; whoever needs the default capacity asks
-:func:`default_capacity`.
+:func:`default_capacity`. The frameworks' dispatchers split a replicated batch into per-rank
+shards with :func:`token_shard` and bound it by :func:`largest_shard`.
 """
 
 from __future__ import annotations
@@ -25,3 +26,16 @@ def token_excess(settings: MoESettings, tokens: int) -> str:
 def default_capacity(settings: MoESettings) -> int:
     """The rows per (source rank, local expert) of a fixed-rows call that names no capacity."""
     return settings.max_tokens_per_rank
+
+
+def token_shard(tokens: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s token rows [lo, hi) of a batch of ``tokens`` replicated on ``ranks`` ranks, each
+    dispatching its own shard (``torch.tensor_split`` order: the first ``tokens % ranks`` one longer)."""
+    base, extra = divmod(tokens, ranks)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def largest_shard(tokens: int, ranks: int) -> int:
+    """The most tokens one rank's :func:`token_shard` holds (every rank computes the same)."""
+    return -(-tokens // ranks)

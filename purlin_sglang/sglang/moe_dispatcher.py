@@ -49,7 +49,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from ..config import MoESettings
 from ..errors import PurlinError
-from ..moe.limits import default_capacity, token_excess
+from ..moe.limits import default_capacity, largest_shard, token_excess, token_shard
 from .moe_config import wire_dtype
 
 logger = logging.getLogger(__name__)
@@ -117,11 +117,6 @@ def _say_once(text: str) -> None:
     if text not in _warned:
         _warned.add(text)
         logger.info(text)
-
-
-def largest_shard(tokens: int, ep_size: int) -> int:
-    """The most tokens one rank's shard of a batch of ``tokens`` holds (every rank computes the same)."""
-    return -(-tokens // ep_size)
 
 
 def _warn_if_prefill_exceeds(settings: MoESettings, ep_size: int) -> None:
@@ -201,10 +196,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
 
     def shard(self, tokens: int) -> tuple[int, int]:
         """This rank's token rows [lo, hi) of a replicated batch of ``tokens`` (tensor_split order)."""
-        base, extra = divmod(tokens, self.moe_ep_size)
-        r = self.moe_ep_rank
-        lo = r * base + min(r, extra)
-        return lo, lo + base + (r < extra)
+        return token_shard(tokens, self.moe_ep_size, self.moe_ep_rank)
 
     def dispatch(self, hidden_states: torch.Tensor, topk_output: Any) -> StandardDispatchOutput:
         if TopKOutputChecker.format_is_bypassed(topk_output):

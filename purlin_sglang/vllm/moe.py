@@ -47,7 +47,7 @@ from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
 
 from ..config import MoESettings
 from ..errors import PurlinError, PurlinValueError
-from ..moe.limits import default_capacity, token_excess
+from ..moe.limits import default_capacity, largest_shard, token_excess, token_shard
 from .settings import moe_on, plugin_config
 
 logger = logging.getLogger(__name__)
@@ -184,9 +184,7 @@ class PurlinPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
 
     def shard(self, tokens: int) -> tuple[int, int]:
         """This rank's token rows [lo, hi) of a replicated batch of ``tokens`` (tensor_split order)."""
-        base, extra = divmod(tokens, self.ep_size)
-        lo = self.ep_rank * base + min(self.ep_rank, extra)
-        return lo, lo + base + (self.ep_rank < extra)
+        return token_shard(tokens, self.ep_size, self.ep_rank)
 
     def prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                 expert_map: Optional[torch.Tensor], apply_router_weight_on_input: bool, quant_config: Any,
@@ -209,7 +207,7 @@ class PurlinPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             weights = torch.ones_like(topk_weights)
         tokens = a1.shape[0]
         lo, hi = self.shard(tokens)
-        largest = -(-tokens // self.ep_size)
+        largest = largest_shard(tokens, self.ep_size)
         excess = token_excess(self.settings, largest) if self.comm.engine_name == "cuda" else ""
         if excess:
             raise PurlinError(f"purlin MoE prepare: a batch of {tokens} tokens over {self.ep_size} ranks gives "
