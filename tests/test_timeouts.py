@@ -161,29 +161,78 @@ def test_mismatch_message_describes_each_side(a, b, mine, theirs):
     assert f"rank {e.rank} called {calls[e.rank]}, rank {e.peer} called {calls[e.peer]}" in str(e), e
 
 
+def splits_disagree(call, world, expected, late=None):
+    """Run ``call(comm)`` (splits that disagree between ranks) on every rank: every rank raises the same
+    PurlinMismatchError naming ``expected`` within 1 s (timeout 20 s), before any data moves, and the
+    communicator stays usable: the next calls are correct everywhere."""
+    def fn(comm):
+        if comm.rank == late:
+            time.sleep(0.1)
+        e, dt = outcome(lambda: call(comm))
+        assert isinstance(e, PurlinMismatchError), repr(e)
+        assert dt < 1 + (0.1 if late is not None else 0), dt
+        assert e.rank == comm.rank and e.op and str(e).startswith(e.op + ":"), e
+        for n in (3, 5):  # the next calls are the next calls on every rank
+            out = comm.all_reduce(torch.full((n,), float(comm.rank + 1)))
+            assert out.tolist() == [comm.world_size * (comm.world_size + 1) / 2] * n
+        return str(e)
+
+    msgs = ps.run_virtual(world, fn, config=LONG)
+    assert len(set(msgs)) == 1, msgs  # one message, word for word, on every rank
+    assert expected in msgs[0] and "split sizes disagree" in msgs[0], msgs[0]
+    return msgs[0]
+
+
 @pytest.mark.parametrize("late", [None, 0, 1])
-def test_all_to_all_v_splits_that_disagree_with_the_peer_mismatch(late):
+def test_all_to_all_v_splits_that_disagree_raise_on_every_rank(late):
     def call(comm):
         # rank 0 sends 2 rows to rank 1, but rank 1 expects 1 row from rank 0
         if comm.rank == 0:
             return comm.all_to_all_v(torch.ones(3, 2), [1, 2], [1, 1])
         return comm.all_to_all_v(torch.ones(2, 2), [1, 1], [1, 1])
 
-    errs = disagree(call, late=late)
-    assert isinstance(errs[1], PurlinMismatchError), errs
-    assert ("rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 expects 1 row from rank 0 "
-            "(its output_splits[0])") in str(errs[1]), errs[1]
-    assert "split sizes disagree" in str(errs[1])
+    splits_disagree(call, 2, "all_to_all_v: rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 "
+                    "expects 1 row from rank 0 (its output_splits[0])", late=late)
+
+
+def test_splits_that_disagree_between_two_other_ranks_reach_the_third():
+    # ranks 1 and 2 disagree; rank 0's own pairs agree, and it raises the same error (it does not wait
+    # for data that ranks 1 and 2 will never send)
+    def call(comm):
+        ins = {0: [1, 1, 1], 1: [1, 1, 3], 2: [1, 1, 1]}[comm.rank]
+        outs = {0: [1, 1, 1], 1: [1, 1, 1], 2: [1, 1, 1]}[comm.rank]
+        return comm.all_to_all_v(torch.randn(sum(ins), 4), ins, outs)
+
+    splits_disagree(call, 3, "rank 1 sends 3 rows to rank 2 (its input_splits[2]), but rank 2 expects 1 row "
+                    "from rank 1 (its output_splits[1])")
 
 
 @pytest.mark.parametrize("late", [None, 0, 1])
-def test_all_gather_v_sizes_that_disagree_mismatch(late):
+def test_all_gather_v_sizes_that_disagree_raise_on_every_rank(late):
     def call(comm):
         sizes = [1, 2] if comm.rank == 0 else [1, 1]
         return comm.all_gather_v(torch.ones(sizes[comm.rank]), sizes)
 
-    errs = disagree(call, late=late)
-    assert isinstance(errs[0], PurlinMismatchError) and "split sizes disagree" in str(errs[0]), errs
+    splits_disagree(call, 2, "all_gather_v: rank", late=late)
+
+
+def test_all_to_all_v_splits_that_disagree_in_processes():
+    # the same contract across processes (shared memory between them)
+    res = launch(_process_splits, 2, timeout_s=120)
+    assert res[0] == res[1] and "rank 0 sends 2 rows to rank 1" in res[0], res
+
+
+def _process_splits(rank, world):
+    comm = ps.Communicator(config=LONG)
+    try:
+        ins = [1, 2] if rank == 0 else [1, 1]
+        e, dt = outcome(lambda: comm.all_to_all_v(torch.ones(sum(ins), 2), ins, [1, 1]))
+        assert isinstance(e, PurlinMismatchError) and dt < 1, (repr(e), dt)
+        out = comm.all_to_all_v(torch.full((2, 2), float(rank)), [1, 1], [1, 1])
+        assert out[:, 0].tolist() == [0.0, 1.0], out
+        return str(e)
+    finally:
+        comm.close()
 
 
 def test_disagreement_among_three_ranks():

@@ -88,6 +88,7 @@ class CpuEngine:
         w[off + 1] = ctx.fingerprint
         w[off + 2] = ctx.info
         w[off + 3: off + 3 + self.world] = sched.send_bytes
+        w[off + 3 + self.world: off + 3 + 2 * self.world] = sched.recv_bytes
         w[off] = ctx.seq  # last: publishes the entry
 
     def _peer_seq(self, peer: int) -> int:
@@ -101,7 +102,6 @@ class CpuEngine:
         if int(w[off]) != ctx.seq:
             return False
         fp, info = int(w[off + 1]), int(w[off + 2])
-        sent_to_me = int(w[off + 3 + self.rank])
         if int(w[off]) != ctx.seq:  # overwritten while reading: the peer is already past this call
             return True
         if fp == REJECTED:  # the peer rejected its arguments: its reject words say why (written before)
@@ -115,9 +115,6 @@ class CpuEngine:
             self._fail(PurlinMismatchError(
                 mismatch_message(ctx.op, self.rank, peer, ctx.seq, describe_info(ctx.info), describe_info(info)),
                 op=ctx.op, rank=self.rank, peer=peer))
-        if sent_to_me != sched.recv_bytes[peer]:
-            self._fail(PurlinMismatchError(split_mismatch(ctx, peer, self.rank, sent_to_me, sched.recv_bytes[peer]),
-                                           op=ctx.op, rank=self.rank, peer=peer))
         return True
 
     def reject(self, seq: int, op: str, message: str) -> None:
@@ -156,6 +153,22 @@ class CpuEngine:
         if self._rejects:
             causes, self._rejects = dict(self._rejects), {}
             raise rejected_error(ctx.op, causes, ctx.seq)
+        self._check_pairs(ctx)
+
+    def _check_pairs(self, ctx: CallContext) -> None:
+        """Every pair of ranks of this call, from the descriptors (all of this call, all read): the bytes
+        rank p sends to rank q must be those q expects from p. On a disagreement every rank raises the same
+        PurlinMismatchError (the first pair in rank order) before any data moves, so the communicator stays
+        usable and the next call is the next call everywhere."""
+        w, lay, n = self.ws.words, self.layout, self.world
+        starts = np.array([lay.desc_offset(p, ctx.seq % RING) + 3 for p in range(n)])
+        counts = w[starts[:, None] + np.arange(2 * n)]  # row p: [sends to 0..n-1, expects from 0..n-1]
+        sends, expects = counts[:, :n], counts[:, n:]
+        bad = np.argwhere(sends != expects.T)
+        if len(bad):
+            p, q = (int(v) for v in bad[0])
+            raise PurlinMismatchError(split_mismatch(ctx, p, q, int(sends[p, q]), int(expects[q, p])),
+                                      op=ctx.op, rank=self.rank, peer=q if self.rank == p else p)
 
     def _fail(self, err: PurlinError) -> None:
         self.mark_broken(str(err))

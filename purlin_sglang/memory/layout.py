@@ -7,8 +7,9 @@ layout; a rank's signal words are written by one side only (see snac.lower).
 Per rank ``r`` (int64 words unless said otherwise):
 
 * ``desc[r][slot]``: the call descriptor ring, ``RING`` entries of
-  ``[seq, fingerprint, info, send_bytes[0..world-1]]``; ``seq`` is written last; ``info`` is the
-  call's description code (engines/base.py ``call_info``), for mismatch messages.
+  ``[seq, fingerprint, info, send_bytes[0..world-1], recv_bytes[0..world-1]]``; ``seq`` is written
+  last; ``info`` is the call's description code (engines/base.py ``call_info``), for mismatch
+  messages; the byte counts let every rank check every pair of a call before data moves.
 * ``state[r]``: 0 healthy, 1 broken (a peer can stop waiting for a broken rank).
 * ``notify[p][c][i]``: chunks producer ``p`` staged in item ``i`` for consumer ``c``.
 * ``ack[p][c][i]``: chunks consumer ``c`` drained from producer ``p``'s item ``i``.
@@ -31,7 +32,7 @@ RING = 4
 WORD = 8
 PAGE = 4096
 MAGIC = 0x50524C4E  # "PRLN"
-VERSION = 3  # 2: descriptors carry the call's description code; 3: the reject words
+VERSION = 4  # 2: descriptors carry the call's description code; 3: the reject words; 4: recv_bytes
 REJECTED = -1  # the fingerprint of a call its rank rejected (real fingerprints are >= 0)
 REJECT_TEXT_BYTES = 512
 REJECT_WORDS = 2 + REJECT_TEXT_BYTES // 8
@@ -61,7 +62,7 @@ class _RankLayout:
 class WorkspaceLayout(_RankLayout):
     @property
     def desc_words(self) -> int:
-        return 3 + self.world
+        return 3 + 2 * self.world
 
     # word offsets (in int64 words from the start of the signal area)
     @property
