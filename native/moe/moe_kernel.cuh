@@ -21,7 +21,7 @@
 //   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
 //              count word [epoch, tokens, meta, rows per its local expert], epoch last (release)
 //   wait       threads 0..world-1 poll my count words of epoch e (bounded by timeout_ns)
-//   expand     warp per received token: its slot read once, stored to one row per k at
+//   expand     (received token, part of its row) per warp: the slot read once, stored to one row per k at
 //              le*world*capacity + offset(src, le) + j; rows with j >= capacity are not written (the
 //              overflow is recorded: never silent)
 // combine, epoch e:
@@ -452,9 +452,10 @@ __device__ inline void put_rows(const PurlinMoeParams& p, DispatchShared& s, int
 
 // ---- dispatch: expand ----------------------------------------------------------------------------------
 
-// Warp: received token g of producer q (its slot read once) to one row per k routed here.
-__device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s, const char* slot, int q, int lane,
-                                    int warp) {
+// Warp: units [u0, u1) of a received token of producer q (that part of its slot read once) to one row per k
+// routed here; the part that starts at unit 0 also writes the rows' expert, source, slot and scale.
+__device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s, const char* slot, int q,
+                                    long long u0, long long u1, int lane, int warp) {
   const long long K = p.topk, W = p.world, cap = p.capacity, L = p.local;
   const int* h = reinterpret_cast<const int*>(slot);
   long long row = -1;
@@ -468,6 +469,8 @@ __device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s,
   const int nrows = __popc(bal);
   if (row >= 0) {
     s.u.rows[warp][__popc(bal & ((1u << lane) - 1u))] = row;
+  }
+  if (row >= 0 && u0 == 0) {
     p.out_expert[row] = le;
     p.out_src[row] = q;
     p.out_slot[row] = static_cast<long long>(h[0]) * K + lane;
@@ -478,17 +481,17 @@ __device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s,
   int4* out = static_cast<int4*>(p.out_x);
   const long long units = p.payload_bytes / 16;
   constexpr int kUnroll = 4;
-  for (long long u = lane; u < units; u += 32 * kUnroll) {
+  for (long long u = u0 + lane; u < u1; u += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (u + 32 * i < units) v[i] = src[u + 32 * i];
+      if (u + 32 * i < u1) v[i] = src[u + 32 * i];
     }
     for (int r = 0; r < nrows; ++r) {
       int4* dst = out + s.u.rows[warp][r] * units;
 #pragma unroll
       for (int i = 0; i < kUnroll; ++i) {
-        if (u + 32 * i < units) dst[u + 32 * i] = v[i];
+        if (u + 32 * i < u1) dst[u + 32 * i] = v[i];
       }
     }
   }
@@ -576,13 +579,18 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
         p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
       }
     }
-    // expand: a warp per received token
+    // expand: (received token, part of its row) per warp; a row is split into parts (at least 32 units,
+    // 512 bytes, each) when there are fewer received tokens than warps in the grid (decode: a few tokens)
     const long long n_recv = s.tstart[W];
     const char* recv = own(p) + p.recv_off + par * p.recv_parity_bytes;
-    for (long long g = (long long)blockIdx.x * nwarps + warp; g < n_recv; g += (long long)gridDim.x * nwarps) {
+    const long long warps = (long long)gridDim.x * nwarps, units = p.payload_bytes / 16;
+    const long long parts = n_recv > 0 ? max(1ll, min(warps / n_recv, (units + 31) / 32)) : 1;
+    const long long per = (units + parts - 1) / parts;
+    for (long long it = (long long)blockIdx.x * nwarps + warp; it < n_recv * parts; it += warps) {
+      const long long g = it / parts, u0 = (it % parts) * per, u1 = min(units, u0 + per);
       int q = 0;
       while (s.tstart[q + 1] <= g) ++q;
-      expand_token(p, s, recv + (q * p.max_tokens + (g - s.tstart[q])) * p.slot_bytes, q, lane, warp);
+      expand_token(p, s, recv + (q * p.max_tokens + (g - s.tstart[q])) * p.slot_bytes, q, u0, u1, lane, warp);
     }
     if (p.trace != nullptr) __syncthreads();  // the stamp: every warp of block 0 done
     stamp(p, 0, 4);
