@@ -36,12 +36,14 @@ from ..calls import CacheInfo, CallPath
 from ..collectives import CollectiveSpec
 from ..engines import closed_error
 from ..engines.base import first_split_mismatch
-from ..errors import PurlinError, PurlinMismatchError, PurlinUnavailableError, PurlinValueError
-from .cross import CrossLink, backend_for, make_groups
+from ..errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
+                      PurlinValueError, rejected_error, text_words, words_text)
+from .cross import CrossFailure, CrossLink, backend_for, make_groups
 from .layout import NodeLayout
 from .moe import make_moe
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+STATUS_WORDS = 64  # the status round's message: 512 bytes of a rank's own argument error
 
 
 def become(comm: Any, cls: type, group: Any, rank: int, world: int, layout: NodeLayout) -> None:
@@ -78,8 +80,12 @@ class TwoLevel:
     ranks sit on several nodes; see the module). The same API and contracts, with these differences:
     reductions are two-level (module docstring); ``algorithm`` answers ``two-level``;
     ``symmetric_empty``, ``cache_info`` and ``tuning_info`` are the node stage's; a spec outside the
-    catalog raises PurlinUnavailableError; an argument error raises on the erring rank only (its
-    peers wait for it up to ``timeout_s``)."""
+    catalog raises PurlinUnavailableError. One rank's argument error: on the CPU engine every call
+    begins with a status round (:meth:`_agree`), so every rank raises (the peers a PurlinRejectedError
+    quoting it) and the communicator stays usable; on CUDA it raises on the erring rank only (a status
+    round would read the device on the host every call), and its peers wait for it up to ``timeout_s``.
+    A failed exchange between the nodes (a timeout, a closed connection) breaks the communicator: the
+    stage's PurlinTimeoutError or PurlinBrokenError, then PurlinBrokenError on every later call."""
 
     _node_class: type  # the Communicator class of the node stage (set by the class that derives from both)
 
@@ -98,6 +104,7 @@ class TwoLevel:
         self.local = self._node_class(local_group, self.device, cfg)  # a plain Communicator of the node
         self.link = CrossLink(cross_group, self._node_index, cross_ranks)
         self.engine_name = f"{self.local.engine_name}+{backend}"
+        self._status_round = self.device.type == "cpu"  # host values: the round costs no device sync
         self._closed = False
         self._moe = make_moe(self)
 
@@ -140,7 +147,48 @@ class TwoLevel:
 
     # -- the call path -----------------------------------------------------------------------
     def _announce(self, op: str, error: PurlinValueError) -> NoReturn:
+        """This rank rejected its own arguments of ``op``: where calls begin with a status round, it takes
+        part with ``error`` (every peer then raises a PurlinRejectedError quoting it); ``error`` is raised."""
+        if self._status_round and not self._closed:
+            self._agree(op, error)
         raise error
+
+    def _agree(self, op: str, error: Optional[PurlinValueError]) -> None:
+        """The status round that begins every call on the CPU engine: each rank's status (0, or 1 and its
+        own argument error's text) all-gathered inside the node (purlin) and then across the nodes
+        (fixed sizes, so a rank with bad arguments can take part). Every rank spends the call number;
+        if any rank rejected its arguments, the others raise :func:`~purlin_sglang.errors.rejected_error`
+        naming the lowest such rank, before any data moves, and nothing is left pending."""
+        mine = torch.zeros(1 + STATUS_WORDS, dtype=torch.int64)
+        if error is not None:
+            mine[0] = 1
+            mine[1:] = torch.tensor(text_words(str(error), STATUS_WORDS), dtype=torch.int64)
+        self._seq += 1
+        try:
+            every = self.link.all_gather(self.local.all_gather(mine))
+        except CrossFailure as e:
+            raise self._cross_failed(op, e) from e
+        except PurlinError:
+            self._check_usable(op)
+            raise
+        rows = every.view(self.layout.count, self.layout.local_size, -1)
+        causes = {self.layout.rank_at(m, j): words_text(rows[m, j, 1:].tolist())
+                  for m in range(self.layout.count) for j in range(self.layout.local_size) if int(rows[m, j, 0])}
+        causes.pop(self.rank, None)
+        if causes and error is None:
+            raise rejected_error(op, causes, self._seq)
+
+    def _cross_failed(self, op: str, failure: CrossFailure) -> PurlinError:
+        """The error of a failed exchange between nodes, this communicator broken and its memory released:
+        PurlinTimeoutError where the backend timed out, else PurlinBrokenError."""
+        msg = (f"{op}: rank {self.rank}: {failure} (the {self.inter_node_backend} group of local index "
+               f"{self._local_rank}, {self.layout.count} nodes); a rank of another node skipped this call, failed or "
+               "is stuck; the communicator is now broken")
+        self._broken_reason = msg
+        self.close()
+        if failure.timed_out:
+            return PurlinTimeoutError(msg, op=op, rank=self.rank)
+        return PurlinBrokenError(msg + "; create a new Communicator on every rank")
 
     def _check_usable(self, name: str) -> None:
         if self._closed:
@@ -153,15 +201,23 @@ class TwoLevel:
     def _run(self, spec: Any, x: Any, out: Any, op: Any, root: Any, in_splits: Any, out_splits: Any) -> torch.Tensor:
         name = spec.name if isinstance(spec, CollectiveSpec) else "run"
         self._check_usable(name)
-        c = self._path.check(spec, x, out, op, root, in_splits, out_splits)
+        try:
+            c = self._path.check(spec, x, out, op, root, in_splits, out_splits)
+        except PurlinValueError as e:
+            self._announce(name, e)
         stage = _STAGES.get(spec.name) if _catalog(spec) else None
         if stage is None:
             raise PurlinUnavailableError(
                 f"{c.name}: a collective outside the catalog cannot run across nodes yet (the group spans "
                 f"{self.layout.count} nodes); run it on a Communicator of one node")
-        self._seq += 1
+        if self._status_round:
+            self._agree(c.name, None)
+        else:
+            self._seq += 1
         try:
             res = stage(self, x, c, root)
+        except CrossFailure as e:
+            raise self._cross_failed(name, e) from e
         except PurlinError:
             self._check_usable(name)  # a stage that broke its engine closes this communicator
             raise

@@ -69,6 +69,29 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
     gather(out, x, group=group)
 
 
+class CrossFailure(RuntimeError):
+    """A torch.distributed call between the nodes failed (a peer's timeout, a closed connection): the
+    cross group cannot be trusted after it (gloo closes its pairs on a timeout, a pending op cannot be
+    taken back), so the communicator that owns it breaks (``MultiNodeCommunicator._run``)."""
+
+    def __init__(self, what: str, error: BaseException):
+        self.timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        super().__init__(f"{what} failed: {type(error).__name__}: {error}")
+
+
+def _guarded(what: str):
+    """Wrap a CrossLink method: an error of torch.distributed becomes a :class:`CrossFailure`."""
+    def wrap(fn):
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (RuntimeError, OSError) as e:  # torch.distributed raises DistError (a RuntimeError) et al.
+                raise CrossFailure(what, e) from e
+        call.__name__, call.__doc__ = fn.__name__, fn.__doc__
+        return call
+    return wrap
+
+
 class CrossLink:
     """Copies between the nodes' ranks of one local index: ``index`` is this rank's node index, ``n``
     the nodes, ``ranks`` the global rank of each node's member in node order (the group numbers its
@@ -86,6 +109,7 @@ class CrossLink:
         """Blocks in group-rank order -> node order."""
         return [blocks[g] for g in self._group_rank]
 
+    @_guarded("the all-gather between nodes")
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n * rows, ...]: every node's ``x`` (equal shapes) in node order."""
         out = torch.empty((self.n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -94,6 +118,7 @@ class CrossLink:
         _all_gather(_bytes(out), _bytes(x), self.group)
         return out if self._identity else torch.cat(self._to_nodes(out.chunk(self.n)))
 
+    @_guarded("the all-to-all between nodes")
     def all_to_all(self, x: torch.Tensor, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
         """``send[m]`` rows of ``x`` (in order) go to node m; ``recv[m]`` rows come from node m, in node order."""
         rest = tuple(x.shape[1:])
@@ -114,6 +139,7 @@ class CrossLink:
                                group=self.group)
         return out if self._identity else torch.cat(self._to_nodes(out.split(recv_g)))
 
+    @_guarded("the broadcast between nodes")
     def broadcast(self, x: torch.Tensor, src_index: int) -> None:
         """``x`` of node ``src_index``'s rank into ``x`` on every node (in place)."""
         if self.n == 1 or x.numel() == 0:

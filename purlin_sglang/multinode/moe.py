@@ -30,6 +30,7 @@ from ..errors import PurlinUnavailableError, PurlinValueError
 from ..moe import cpu
 from ..moe.engine import MoEContext
 from ..moe.validate import check_id_range
+from .cross import CrossFailure
 
 
 def make_moe(comm: Any) -> Any:
@@ -82,8 +83,11 @@ class NodeMoE(cpu.CpuMoE):
         hop1 = cpu.pack(header, cpu.token_rows(payload, t_of))
         send = torch.bincount(m_of, minlength=n)[:n]
         self.rows_across = int(send.sum()) - int(send[m_me])
-        recv = comm.link.all_to_all(send.view(n, 1), [1] * n, [1] * n).view(-1).tolist()
-        got = comm.link.all_to_all(hop1.contiguous(), send.tolist(), recv)
+        try:
+            recv = comm.link.all_to_all(send.view(n, 1), [1] * n, [1] * n).view(-1).tolist()
+            got = comm.link.all_to_all(hop1.contiguous(), send.tolist(), recv)
+        except CrossFailure as e:
+            raise comm._cross_failed("moe_dispatch", e) from e
         # on the relay: each token once per destination rank of this node, with the one-node header
         w1 = 3 * k_n + 2
         h1 = cpu.header_of(got, w1)
