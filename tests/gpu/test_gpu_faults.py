@@ -92,7 +92,7 @@ def _killed_in_call(rank, world, mode):
     dist.barrier()
     y.fill_(float("nan"))
     if rank == VICTIM:
-        torch.cuda._sleep(SPIN_CYCLES)  # the call below is queued behind this: entered, not yet run
+        torch.cuda._sleep(SPIN_CYCLES)  # the call below queues behind this: entered on the host, its kernel still waiting
         if graph is not None:
             graph.replay()
         else:
