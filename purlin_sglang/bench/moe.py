@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import inspect
 import json
 import sys
@@ -42,7 +43,7 @@ from .args import start
 from .metrics import percentile
 from .moe_check import (DTYPES, bitwise_vs_reference, check, expert_scale, make_inputs, max_pair_load, run_experts,
                         wire_bytes)
-from .purlin_runner import Options, graph_samples, rank_stream
+from .purlin_runner import Options, graph_samples, rank_stream, settle
 from .timing import sync, time_each
 
 GRAPH_BUDGET = 512 << 20  # bytes of call outputs one captured graph may hold per rank
@@ -181,18 +182,15 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         def dispatch():
             return comm.moe_dispatch(inp.x, inp.ids, inp.w, num_experts=experts, capacity=capacity, dtype=wire)
 
-        def settle():  # every rank's work done: no host copy or local kernel waits behind a peer's waiting kernel
-            sync(stream)
-            barrier.wait()
-
+        settled = functools.partial(settle, stream, barrier)  # every rank's work done (purlin_runner.settle)
         # The check: inputs staged, then dispatch, experts and combine apart (loopback ranks share one GPU).
-        settle()
+        settled()
         d = dispatch()
-        settle()
+        settled()
         eo = run_experts(d.x, d.scales, d.expert, r, local, s)
-        settle()
+        settled()
         y = comm.moe_combine(eo, d)
-        settle()
+        settled()
         ok, err, ratio = check(y, inp, experts, wire)
         res = {"ok": ok, "err": err, "ratio": ratio, "rows": d.rows, "hbm": comm.hbm_bytes,
                "moe_hbm": getattr(comm, "moe_hbm_bytes", None),
@@ -225,11 +223,11 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         if with_reference:
             if r == 0:
                 sys.stderr.write(f"  tokens {tokens}: timing the torch reference (eager)\n")
-            yr, _ = torch_reference(comm, inp, s, experts, settle, stream)
+            yr, _ = torch_reference(comm, inp, s, experts, settled, stream)
             res["ref_ok"], res["ref_err"], _ = check(yr, inp, experts, None)
             for _ in range(args.warmup):
-                torch_reference(comm, inp, s, experts, settle, stream)
-            res["reference"] = [torch_reference(comm, inp, s, experts, settle, stream)[1] for _ in range(args.iters)]
+                torch_reference(comm, inp, s, experts, settled, stream)
+            res["reference"] = [torch_reference(comm, inp, s, experts, settled, stream)[1] for _ in range(args.iters)]
         return res
 
     cfg = {"timeout_s": args.timeout, "moe": {"max_tokens_per_rank": max(tokens, 1), "signal_scope": args.signal_scope}}

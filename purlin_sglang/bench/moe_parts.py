@@ -38,8 +38,7 @@ import torch
 
 from .metrics import percentile
 from .moe_check import DTYPES, make_inputs, max_pair_load
-from .purlin_runner import Options, graph_samples, rank_stream
-from .timing import sync
+from .purlin_runner import Options, graph_samples, rank_stream, settle
 
 
 def _parts(comm, inp, experts: int, capacity: int, wire):
@@ -90,14 +89,9 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         i = inputs[comm.rank]
         inp = type(i)(i.x.to(dev), i.ids.to(dev), i.w.to(dev))
         out = {}
-
-        def settle():  # every rank's work done before the next step (bench/moe.py's rule): a loopback rank's
-            sync(stream)  # copy or capture must not queue behind a peer's kernel that waits for it
-            barrier.wait()
-
-        settle()
+        settle(stream, barrier)
         parts = _parts(comm, inp, experts, capacity, wire)  # runs one eager dispatch (the combine's input)
-        settle()
+        settle(stream, barrier)
         for name, step in parts.items():
             if comm.rank == 0:
                 sys.stderr.write(f"  {name}\n")

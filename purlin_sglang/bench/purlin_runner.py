@@ -53,6 +53,13 @@ def rank_stream(comm) -> Any:
     return s if isinstance(s, torch.cuda.Stream) else torch.cuda.current_stream(comm.device)
 
 
+def settle(stream, barrier) -> None:
+    """Every loopback rank's work done before the next step: this rank's stream synchronized, then a barrier
+    (no host copy, capture or local kernel of a rank may queue behind a peer's kernel that waits for it)."""
+    sync(stream)
+    barrier.wait()
+
+
 def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: Options,
                device: torch.device) -> list[dict]:
     """Per-rank results of every case (raises what ``run_virtual`` raises)."""

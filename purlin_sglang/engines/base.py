@@ -103,15 +103,25 @@ def split_pair_message(op: str, p: int, c: int, sent: str, expected: str) -> str
             f"expects {expected} from rank {p} (its {recv_arg}[{at[recv_at]}])")
 
 
-def first_split_mismatch(op: str, sends: "list | tuple", expects: "list | tuple") -> "str | None":
-    """The first pair of ranks whose splits disagree, as the message every rank raises, or None:
-    ``sends[p][q]`` rows rank p sends to rank q (its input splits), ``expects[q][p]`` rows rank q
-    expects from rank p (its output splits)."""
+def first_split_pair(sends: "list | tuple", expects: "list | tuple") -> "tuple[int, int] | None":
+    """The first pair (p, q) in rank order where ``sends[p][q]`` (what rank p sends to rank q) is not
+    ``expects[q][p]`` (what rank q expects from rank p), or None: the pair every rank names."""
     for p, row in enumerate(sends):
         for q, n in enumerate(row):
             if n != expects[q][p]:
-                return f"{split_pair_message(op, p, q, rows_phrase(n), rows_phrase(expects[q][p]))}; {SPLITS_DISAGREE}"
+                return p, q
     return None
+
+
+def first_split_mismatch(op: str, sends: "list | tuple", expects: "list | tuple") -> "str | None":
+    """The first pair of ranks whose splits disagree (:func:`first_split_pair`), as the message every rank
+    raises, or None: ``sends[p][q]`` rows rank p sends to rank q (its input splits), ``expects[q][p]``
+    rows rank q expects from rank p (its output splits)."""
+    pair = first_split_pair(sends, expects)
+    if pair is None:
+        return None
+    p, q = pair
+    return f"{split_pair_message(op, p, q, rows_phrase(sends[p][q]), rows_phrase(expects[q][p]))}; {SPLITS_DISAGREE}"
 
 
 def rows_phrase(n: int) -> str:

@@ -27,7 +27,8 @@ from ..errors import (PurlinBrokenError, PurlinError, PurlinMismatchError, Purli
 from ..memory.host import HostWorkspace
 from ..memory.layout import REJECT_WORDS, REJECTED, RING, STATE_BROKEN, STATE_OK
 from ..snac import Buf, Copy, Reduce, Schedule, Signal, Span, WaitDrainAll, WaitSignal
-from .base import SPLITS_DISAGREE, CallContext, describe_info, mismatch_message, rows_phrase, split_pair_message
+from .base import (SPLITS_DISAGREE, CallContext, describe_info, first_split_pair, mismatch_message, rows_phrase,
+                   split_pair_message)
 
 _ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -162,12 +163,12 @@ class CpuEngine:
         usable and the next call is the next call everywhere."""
         w, lay, n = self.ws.words, self.layout, self.world
         starts = np.array([lay.desc_offset(p, ctx.seq % RING) + 3 for p in range(n)])
-        counts = w[starts[:, None] + np.arange(2 * n)]  # row p: [sends to 0..n-1, expects from 0..n-1]
-        sends, expects = counts[:, :n], counts[:, n:]
-        bad = np.argwhere(sends != expects.T)
-        if len(bad):
-            p, q = (int(v) for v in bad[0])
-            raise PurlinMismatchError(split_mismatch(ctx, p, q, int(sends[p, q]), int(expects[q, p])),
+        counts = w[starts[:, None] + np.arange(2 * n)].tolist()  # row p: [sends to 0..n-1, expects from 0..n-1]
+        sends, expects = [row[:n] for row in counts], [row[n:] for row in counts]
+        pair = first_split_pair(sends, expects)
+        if pair is not None:
+            p, q = pair
+            raise PurlinMismatchError(split_mismatch(ctx, p, q, sends[p][q], expects[q][p]),
                                       op=ctx.op, rank=self.rank, peer=q if self.rank == p else p)
 
     def _fail(self, err: PurlinError) -> None:

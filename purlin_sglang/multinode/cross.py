@@ -9,6 +9,7 @@ Collective over the cross group; capturable in a CUDA graph where the backend is
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -82,12 +83,12 @@ class CrossFailure(RuntimeError):
 def _guarded(what: str):
     """Wrap a CrossLink method: an error of torch.distributed becomes a :class:`CrossFailure`."""
     def wrap(fn):
+        @functools.wraps(fn)
         def call(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
             except (RuntimeError, OSError) as e:  # torch.distributed raises DistError (a RuntimeError) et al.
                 raise CrossFailure(what, e) from e
-        call.__name__, call.__doc__ = fn.__name__, fn.__doc__
         return call
     return wrap
 
