@@ -234,6 +234,19 @@ def test_serve_runs_each_named_run_once_in_the_order_given(tmp_path):
     assert names == ["tp2-nccl", "tp2-purlin"]
 
 
+def test_serve_moe_graphs_and_faults(tmp_path):
+    cmds, _ = dry(tmp_path, "serve", "--runs", "moe-graph,fault")
+    names = [re.search(r"--name (\S+)", c).group(1) for c in cmds if "serve_client.py" in c and "--name" in c]
+    assert names == ["moe-ep2-gloo-ref", "moe-ep2-purlin-graph", "moe-ep4-gloo-ref", "moe-ep4-purlin-graph",
+                     "fault-tp2-eager", "fault-tp2-graph"]
+    servers = [c for c in cmds if c.startswith("+ python3 -m sglang.launch_server")]
+    assert "--ep-size 4" in servers[3] and "--moe-a2a-backend purlin" in servers[3]
+    assert "--disable-cuda-graph" not in servers[3] and "--disable-prefill-cuda-graph" in servers[3]
+    faults = [c for c in cmds if "serve_client.py fault" in c]
+    assert len(faults) == 2 and all("--victim 1" in c and "--timeout-s 20" in c for c in faults)
+    assert "--disable-cuda-graph" in servers[4] and "--disable-cuda-graph" not in servers[5]
+
+
 def table(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TOOLS / "results_table.py"), *args], capture_output=True, text=True)
 

@@ -81,6 +81,12 @@ serve options:
                                      prompt served alone too (batch invariance)
                            moe       configs/models/qwen3-moe-4l at TP=1, TP=2, then EP=2 with
                                      purlin as the MoE dispatcher; moe-ep: the EP=2 pair only
+                           moe-graph EP=2 and EP=4 (a gloo reference, then purlin through
+                                     --moe-a2a-backend purlin with decode CUDA graphs)
+                           fault     TP=2 NCCL-free with purlin (timeout_s 20), eager and with
+                                     decode graphs: TP rank 1's scheduler SIGKILLed while decoding;
+                                     the server must exit within timeout_s + 15 s, its log naming
+                                     purlin's error, no process left on the GPU (serve_client.py fault)
                            offline   purlin-sglang bench offline --compare nccl,purlin, TP=1 and 2
   --model DIR            the dense model (default configs/models/olmo-dense-8l)
   --prompts N  --output-tokens N  --repeats N

@@ -2,11 +2,12 @@
 # SGLang servers of configs/models/ with the default backend and with purlin, each run driven by
 # tools/serve_client.py, its tokens compared with its reference run at the end. SV_* is the step's state.
 
-SERVE_GROUPS=(core tp1 tp2 tp4 tp1ab tp1pair det moe moe-ep offline)
+SERVE_GROUPS=(core tp1 tp2 tp4 tp1ab tp1pair det moe moe-ep moe-graph fault offline)
 SERVE_RUNS=(tp1-nccl tp1-purlin-yaml tp2-gloo-ref tp2-purlin-eager tp2-purlin-graph tp4-gloo-ref tp4-purlin-eager
             tp4-purlin-graph tp2-nccl tp2-purlin tp4-nccl tp4-purlin tp1-nccl-a tp1-purlin-flag-a tp1-nccl-b
             tp1-purlin-yaml-b tp1pair det-tp2-purlin moe-tp1-nccl moe-tp2-gloo-ref moe-tp2-purlin-eager
-            moe-ep2-gloo-ref moe-ep2-purlin-dispatch offline-tp1 offline-tp2)
+            moe-ep2-gloo-ref moe-ep2-purlin-dispatch moe-ep2-purlin-graph moe-ep4-gloo-ref moe-ep4-purlin-graph
+            fault-tp2-eager fault-tp2-graph offline-tp1 offline-tp2)
 SERVE_COMMON=(--attention-backend triton --sampling-backend pytorch --grammar-backend none --random-seed 42
               --disable-radix-cache --cuda-graph-max-bs-decode 16 --host 127.0.0.1 --log-level info)
 READY="The server is fired up and ready to roll"
@@ -21,6 +22,8 @@ serve_expand() {
     det) echo det-tp2-purlin ;;
     moe) echo moe-tp1-nccl moe-tp2-gloo-ref moe-tp2-purlin-eager moe-ep2-gloo-ref moe-ep2-purlin-dispatch ;;
     moe-ep) echo moe-ep2-gloo-ref moe-ep2-purlin-dispatch ;;
+    moe-graph) echo moe-ep2-gloo-ref moe-ep2-purlin-graph moe-ep4-gloo-ref moe-ep4-purlin-graph ;;
+    fault) echo fault-tp2-eager fault-tp2-graph ;;
     offline) echo offline-tp1 offline-tp2 ;;
     *) echo "$1" ;;
   esac
@@ -119,6 +122,28 @@ serve_one() {
   grep -E "Error|error|Traceback" "$log" | grep -v "INFO" | tail -4 >> "$SV_DIR/summary.txt"
 }
 
+# serve_fault NAME GRAPH: TP=2 NCCL-free with purlin (timeout_s FAULT_TIMEOUT_S), TP rank 1's scheduler SIGKILLed
+# while it decodes (serve_client.py fault); the record goes to SV_DIR/NAME.json, not among the token runs.
+FAULT_TIMEOUT_S=20
+serve_fault() {
+  local name=$1 graph=$2 extra=()
+  if (($(left) < 150)); then sv_say "$name: skipped (budget: $(left) s left)"; SV_SKIPPED+=("$name"); return; fi
+  local cfg=$SV_LOGS/purlin-fault.yaml port=$((35000 + RANDOM % 1000)) log=$SV_LOGS/server-$name.log
+  ((DRY)) || sed "s/^timeout_s:.*/timeout_s: $FAULT_TIMEOUT_S/" configs/purlin-nccl-free.yaml > "$cfg"
+  if [[ $graph == true ]]; then extra=(--disable-prefill-cuda-graph); else extra=(--disable-cuda-graph); fi
+  local cmd=(python3 -m sglang.launch_server --model-path "$SV_MODEL" --load-format dummy --tp-size 2 --port "$port"
+             "${SERVE_COMMON[@]}" "${extra[@]}" --mem-fraction-static 0.25 --comm-backend purlin --purlin-config "$cfg"
+             --purlin-nccl-free)
+  start_server "$name" "$log" "${cmd[@]}"
+  local client=(python3 tools/serve_client.py fault --url "http://127.0.0.1:$port" --log "$log" --pid "$SV_PID"
+                --name "$name" --out "$SV_DIR/$name.json" --tp 2 --victim 1 --cuda-graph "$graph"
+                --timeout-s "$FAULT_TIMEOUT_S" --wait "$SV_WAIT" --command "${cmd[*]}")
+  run "$SV_DIR/summary.txt" "$SV_DIR/summary.txt" timeout $((SV_WAIT + 300)) "${SV_ENV[@]}" "${client[@]}" ||
+    SV_FAULT_FAILED+=("$name")
+  ((DRY)) && return
+  stop_servers "$SV_PID"
+}
+
 # TP=1, the default server and purlin's (YAML switch) up at once, driven in turns (serve_client.py ab)
 serve_pair() {
   if (($(left) < 150)); then sv_say "tp1pair: skipped (budget: $(left) s left)"; SV_SKIPPED+=(tp1pair); return; fi
@@ -206,6 +231,15 @@ serve_run() {  # one named run
       --purlin-nccl-free --ep-size 2 --moe-a2a-backend none ;;
     moe-ep2-purlin-dispatch) RUN_MODEL=$moe serve_one "$name" 2 purlin false moe-ep2-gloo-ref \
       --mem-fraction-static 0.25 --config configs/purlin-sglang-moe-nccl-free.yaml --ep-size 2 ;;
+    # decode CUDA graphs with purlin as the MoE dispatcher through SGLang's own flag
+    moe-ep2-purlin-graph) RUN_MODEL=$moe serve_one "$name" 2 purlin true moe-ep2-gloo-ref --mem-fraction-static 0.25 \
+      --config configs/purlin-sglang-moe-nccl-free.yaml --ep-size 2 --moe-a2a-backend purlin --disable-prefill-cuda-graph ;;
+    moe-ep4-gloo-ref) RUN_MODEL=$moe serve_one "$name" 4 nccl false "" --mem-fraction-static 0.14 \
+      --purlin-nccl-free --ep-size 4 --moe-a2a-backend none ;;
+    moe-ep4-purlin-graph) RUN_MODEL=$moe serve_one "$name" 4 purlin true moe-ep4-gloo-ref --mem-fraction-static 0.14 \
+      --config configs/purlin-sglang-moe-nccl-free.yaml --ep-size 4 --moe-a2a-backend purlin --disable-prefill-cuda-graph ;;
+    fault-tp2-eager) serve_fault "$name" false ;;
+    fault-tp2-graph) serve_fault "$name" true ;;
     offline-tp?) serve_offline "${name#offline-tp}" ;;
   esac
 }
@@ -213,7 +247,7 @@ serve_run() {  # one named run
 step_serve() {
   parse_serve "$@" || { RESULT=$WHY; return 1; }
   need_build || return 1
-  SV_DIR=$OUT_DIR/$TAG SV_LOGS=$WORK/serve-logs SV_EXITS=0 SV_SKIPPED=()
+  SV_DIR=$OUT_DIR/$TAG SV_LOGS=$WORK/serve-logs SV_EXITS=0 SV_SKIPPED=() SV_FAULT_FAILED=()
   SV_RUNS_DIR=$SV_LOGS/runs
   # PYTHONSAFEPATH: no process (nor the benchmark's children) puts the working directory first on
   # sys.path, so the build is imported and not this checkout's sources. The sglang-kernel wheel that
@@ -242,6 +276,7 @@ print("hooks missing:", plugin.missing_hooks())' || {
   local rc=$?
   ((DRY)) || tar -czf "$SV_DIR/logs.tgz" -C "$WORK" serve-logs 2>/dev/null
   ((DRY)) || RESULT="$(grep '^compare:' "$SV_DIR/summary.txt" | tail -1)"
+  ((${#SV_FAULT_FAILED[@]})) && RESULT+="; fault runs failed: ${SV_FAULT_FAILED[*]}" && rc=1
   ((${#SV_SKIPPED[@]})) && RESULT+="; not run: ${SV_SKIPPED[*]}" && rc=1
   return $rc
 }

@@ -3,6 +3,7 @@ compare runs.
 
     serve_client.py run --url URL --log SERVER_LOG --pid PID --name NAME --out RUN.json [meta ...]
     serve_client.py ab --urls A,B --names NA,NB --logs LA,LB --pids PA,PB --out AB.json [--rounds 12 ...]
+    serve_client.py fault --url URL --log SERVER_LOG --pid PID --name NAME --out FAULT.json --timeout-s S
     serve_client.py compare --runs DIR --out SERVING.json
 
 ``run``: waits until the server's log says it is ready (or the process dies, or --wait passes), sends
@@ -24,6 +25,16 @@ interval of their mean (t distribution) with ``--tolerance`` (default 0.02): ``w
 lies inside 1 +- tolerance, ``differs`` if it lies wholly outside, else ``undecided``. Also whether the two
 servers gave the same greedy tokens. Writes AB.json.
 
+``fault``: a served fault. Waits for the server, serves a short batch, sends a long greedy batch in the
+background and, once the log shows it decoding, SIGKILLs the scheduler of TP rank ``--victim`` (found
+by its process title, ``sglang::scheduler_TP<rank>``, among the server's session). Then polls the
+server's ``/health`` and its main process every half second until it has exited or ``--limit``
+seconds have passed, waits up to ``--settle`` seconds for every process of the session to leave the GPU
+(``nvidia-smi``), and records: seconds from the kill to the first failed health check and to the
+server's exit, the log lines that name a purlin error, the processes still holding the GPU, the log's
+tail. ``ok``: the server exited or reported unhealthy within ``--timeout-s`` (purlin's) plus ``--grace``
+seconds of the kill, a log line names a purlin error, and no process is left on the GPU.
+
 ``compare``: reads every RUN.json of a folder and, for each run that names ``--reference``, says whether
 its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format). Its last line
 counts the runs that went well and the token matches; exit status 1 if a run failed or gave other
@@ -37,7 +48,10 @@ import json
 import os
 import random
 import re
+import signal
 import statistics
+import subprocess
+import threading
 import sys
 import time
 import urllib.error
@@ -249,6 +263,129 @@ def cmd_ab(a: argparse.Namespace) -> int:
     return 0 if rec["ok"] else 1
 
 
+def session_pids(sid: int) -> dict[int, str]:
+    """The processes of session ``sid`` (the server was started with setsid: its pid is the session), pid ->
+    command line (the process title where SGLang set one)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) != sid:
+                continue
+            out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+    return out
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (the server is a child of the step's shell, which reaps it later)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def gpu_pids() -> list[int]:
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(x) for x in text.split() if x.strip().isdigit()]
+
+
+PURLIN_ERROR = re.compile(r"Purlin\w*Error")
+
+
+def cmd_fault(a: argparse.Namespace) -> int:
+    rec = {"name": a.name, "tp": a.tp, "victim": a.victim, "cuda_graph": a.cuda_graph, "timeout_s": a.timeout_s,
+           "grace_s": a.grace, "command": a.command, "ok": False}
+    log = Path(a.log)
+    ready, secs, why = wait_ready(log, a.pid, a.wait)
+    rec["startup_s"] = round(secs, 1)
+    try:
+        if not ready:
+            raise RuntimeError(f"server not ready: {why}")
+        texts = prompts(a.prompts, a.seed)
+        generate(a.url, texts[:4], 8, a.wait)  # serving works before the fault
+        procs = session_pids(a.pid)
+        victims = [p for p, cmd in procs.items() if re.match(rf"sglang::scheduler_TP{a.victim}(\b|_)", cmd)]
+        rec["processes"] = {str(p): c[:120] for p, c in procs.items()}
+        if len(victims) != 1:
+            raise RuntimeError(f"found {len(victims)} processes titled scheduler_TP{a.victim} in the server's session")
+        marks = log.read_text(errors="replace").count("Decode batch")
+        reply: dict = {}
+
+        def long_batch() -> None:
+            try:
+                generate(a.url, texts, a.output_tokens, a.limit + 60)
+                reply["result"] = "finished"
+            except (OSError, urllib.error.URLError, ValueError) as e:
+                reply["result"] = f"{type(e).__name__}: {e}"[:300]
+
+        threading.Thread(target=long_batch, daemon=True).start()
+        t0 = time.monotonic()
+        while log.read_text(errors="replace").count("Decode batch") <= marks:  # decoding, by the server's log
+            if time.monotonic() - t0 > 60 or "result" in reply:
+                raise RuntimeError("the long batch did not reach a decode log line within 60 s")
+            time.sleep(0.2)
+        os.kill(victims[0], signal.SIGKILL)
+        t_kill = time.monotonic()
+        rec["killed"] = {"pid": victims[0], "title": procs[victims[0]][:120],
+                         "after_decode_log_s": round(t_kill - t0, 2)}
+        unhealthy = exited = None
+        while time.monotonic() - t_kill < a.limit:
+            now = time.monotonic() - t_kill
+            if exited is None and not running(a.pid):
+                exited = now
+            if unhealthy is None and (exited is not None or not healthy(a.url)):
+                unhealthy = now
+            if exited is not None:
+                break
+            time.sleep(0.5)
+        rec["unhealthy_after_s"] = None if unhealthy is None else round(unhealthy, 1)
+        rec["exited_after_s"] = None if exited is None else round(exited, 1)
+        mine = set(session_pids(a.pid)) | {a.pid}
+        t1, left = time.monotonic(), []
+        while time.monotonic() - t1 < a.settle:
+            left = [p for p in gpu_pids() if p in mine or p in set(session_pids(a.pid))]
+            if not left:
+                break
+            time.sleep(1.0)
+        rec["gpu_holders_after"] = left
+        rec["long_batch"] = reply.get("result", "no reply yet")
+        text = log.read_text(errors="replace").splitlines()
+        errs = [ln.strip()[:400] for ln in text if PURLIN_ERROR.search(ln)]
+        rec["purlin_error_lines"] = errs[:8]
+        first_err = next((ln.strip()[:400] for ln in text if re.search(r"Error|error|Traceback", ln)
+                          and "INFO" not in ln), None)
+        rec["first_error_line"] = first_err
+        rec["log_tail"] = [ln[:300] for ln in text[-25:]]
+        first = min(x for x in (unhealthy, exited) if x is not None) if (unhealthy or exited) else None
+        rec["ok"] = bool(first is not None and first <= a.timeout_s + a.grace and errs and not left)
+    except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+    rec["plugin_log"] = plugin_lines(log)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(rec, indent=1))
+    print(f"{a.name}: ok={rec['ok']} killed {rec.get('killed', {}).get('title', '-')}; unhealthy after "
+          f"{rec.get('unhealthy_after_s')} s, exited after {rec.get('exited_after_s')} s (timeout_s {a.timeout_s:g}); "
+          f"purlin error lines {len(rec.get('purlin_error_lines', []))}; GPU holders after "
+          f"{rec.get('gpu_holders_after')}{'; ' + rec['error'] if 'error' in rec else ''}", flush=True)
+    return 0 if rec["ok"] else 1
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     runs = {}
     for p in sorted(Path(a.runs).glob("*.json")):
@@ -317,11 +454,19 @@ def main(argv: list[str] | None = None) -> int:
                     ("seed", int, 42), ("rounds", int, 12), ("warmup", int, 2), ("tolerance", float, 0.02),
                     ("wait", float, 300.0), ("timeout", float, 300.0)):
         b.add_argument(f"--{k}", type=t, default=d, required=d is None)
+    f = sub.add_parser("fault")
+    for k, t, d in (("url", str, None), ("log", str, None), ("pid", int, None), ("name", str, None),
+                    ("out", str, None), ("tp", int, 2), ("victim", int, 1), ("command", str, ""),
+                    ("prompts", int, 16), ("output-tokens", int, 2048), ("seed", int, 42), ("wait", float, 300.0),
+                    ("timeout-s", float, None), ("grace", float, 15.0), ("limit", float, 180.0),
+                    ("settle", float, 30.0)):
+        f.add_argument(f"--{k}", type=t, default=d, required=d is None)
+    f.add_argument("--cuda-graph", type=lambda s: s.lower() in ("1", "true", "yes", "on"), default=False)
     c = sub.add_parser("compare")
     c.add_argument("--runs", required=True)
     c.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    return {"run": cmd_run, "ab": cmd_ab, "compare": cmd_compare}[a.cmd](a)
+    return {"run": cmd_run, "ab": cmd_ab, "fault": cmd_fault, "compare": cmd_compare}[a.cmd](a)
 
 
 if __name__ == "__main__":

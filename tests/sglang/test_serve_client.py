@@ -145,3 +145,71 @@ def test_ratio_verdict_needs_the_whole_interval_inside_or_outside():
     wide = C.ratio_verdict([0.95, 1.06, 0.97, 1.04], 0.02)
     assert wide["verdict"] == "undecided" and wide["ci95"][0] < 0.98 < 1.02 < wide["ci95"][1]
     assert C.ratio_verdict([1.0], 0.02)["verdict"] == "undecided"  # one round: no interval
+
+
+FAKE_SERVER_MAIN = r"""
+import subprocess, sys, time
+log = sys.argv[1]
+victim = subprocess.Popen(["bash", "-c", "exec -a sglang::scheduler_TP1 sleep 600"])
+survivor = subprocess.Popen(["bash", "-c", "exec -a sglang::scheduler_TP0 sleep 600"])
+victim.wait()
+time.sleep(float(sys.argv[2]))
+with open(log, "a") as f:
+    f.write("[TP0] Scheduler hit an exception: purlin_sglang.errors.PurlinTimeoutError: all_reduce: rank 0 waited "
+            "for rank 1\n" if sys.argv[3] == "purlin" else "[TP0] RuntimeError: Connection closed by peer\n")
+survivor.kill()
+"""
+
+
+def decoding_server(log):
+    """/generate appends a decode log line (as SGLang's scheduler does) and answers; /health answers 200."""
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with open(log, "a") as f:
+                f.write("Decode batch. #running-req: 4\n")
+            n = body["sampling_params"]["max_new_tokens"]
+            data = json.dumps([{"text": "x", "output_ids": list(range(n))} for _ in body["text"]]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize("delay,says,ok", [(0.5, "purlin", True), (0.5, "gloo", False), (4.0, "purlin", False)])
+def test_fault_kills_the_victim_scheduler_and_times_the_server_exit(tmp_path, delay, says, ok):
+    import subprocess
+    import sys
+
+    log = tmp_path / "server.log"
+    log.write_text(C.READY + "\n")
+    main = subprocess.Popen([sys.executable, "-c", FAKE_SERVER_MAIN, str(log), str(delay), says],
+                            start_new_session=True)
+    srv = decoding_server(log)
+    try:
+        time.sleep(0.5)  # its schedulers started
+        rc = C.main(["fault", "--url", f"http://127.0.0.1:{srv.server_port}", "--log", str(log), "--pid",
+                     str(main.pid), "--name", "f", "--out", str(tmp_path / "f.json"), "--timeout-s", "1",
+                     "--grace", "1.5", "--limit", "20", "--settle", "1", "--prompts", "4", "--output-tokens", "4"])
+    finally:
+        srv.shutdown()
+        main.kill()
+        main.wait()
+    rec = json.loads((tmp_path / "f.json").read_text())
+    assert rec["killed"]["title"].startswith("sglang::scheduler_TP1")
+    assert rec["exited_after_s"] is not None and delay <= rec["exited_after_s"] < delay + 3
+    assert bool(rec["purlin_error_lines"]) == (says == "purlin")
+    assert rec["ok"] is ok and rc == (0 if ok else 1)
+    assert rec["gpu_holders_after"] == []
