@@ -18,7 +18,8 @@ int check(const PurlinMoeParams* params) {
       p.local < 1 || p.local * p.world > PURLIN_MOE_MAX_EXPERTS || p.topk < 1 ||
       p.topk > purlin::moe::MoeConfig::kMaxTopk || p.tokens < 0 ||
       p.tokens > p.max_tokens || p.capacity < 1 || p.payload_bytes % 16 || p.hdr_bytes % 16 || p.slot_bytes % 16 ||
-      p.ret_bytes % 16 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices) {
+      p.ret_bytes % 16 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices ||
+      (p.direct != 0 && p.direct != 1) || (p.direct && (p.ptr_off <= 0 || p.ddone_off <= 0))) {
     return cudaErrorInvalidValue;
   }
   for (long long r = 0; r < p.world; ++r) {
@@ -32,14 +33,17 @@ int check(const PurlinMoeParams* params) {
 cudaError_t min_blocks_per_sm(int dev, int* out) {
   static std::atomic<int> cache[purlin::kernels::kMaxDevices] = {};
   return purlin::kernels::per_device_cached(cache, dev, out, [](int, int* v) {
-    int per[2] = {0, 0};
-    cudaError_t e = purlin::kernels::blocks_per_sm(purlin::moe::moe_dispatch_kernel, purlin::moe::MoeConfig::kThreads,
-                                                   &per[0]);
-    if (e == cudaSuccess) {
-      e = purlin::kernels::blocks_per_sm(purlin::moe::moe_combine_kernel, purlin::moe::MoeConfig::kThreads, &per[1]);
+    const Kernel kernels[] = {purlin::moe::moe_dispatch_kernel, purlin::moe::moe_combine_kernel,
+                              purlin::moe::moe_dispatch_direct_kernel, purlin::moe::moe_combine_direct_kernel};
+    int least = 1 << 30;
+    for (Kernel k : kernels) {
+      int per = 0;
+      const cudaError_t e = purlin::kernels::blocks_per_sm(k, purlin::moe::MoeConfig::kThreads, &per);
+      if (e != cudaSuccess) return e;
+      least = per < least ? per : least;
     }
-    *v = per[0] < per[1] ? per[0] : per[1];
-    return e;
+    *v = least;
+    return cudaSuccess;
   });
 }
 
@@ -61,20 +65,25 @@ PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream) 
     const bool fp8_source = p.x_dtype == PURLIN_DTYPE_BFLOAT16 || p.x_dtype == PURLIN_DTYPE_FLOAT16 ||
                             p.x_dtype == PURLIN_DTYPE_FLOAT32;
     if ((p.ids_bytes != 4 && p.ids_bytes != 8) || (p.quant != 0 && p.quant != 1) || (p.quant && !fp8_source) ||
-        (p.tokens > 0 && (p.x == nullptr || p.ids == nullptr || p.out_valid == nullptr))) {
+        (p.tokens > 0 && (p.x == nullptr || p.ids == nullptr || p.out_valid == nullptr)) ||
+        (p.direct == 1 && p.tokens > 0 && p.out_ref == nullptr)) {
       return cudaErrorInvalidValue;
     }
   }
-  return launch(purlin::moe::moe_dispatch_kernel, params, stream);
+  const bool direct = params != nullptr && params->direct == 1;
+  return launch(direct ? purlin::moe::moe_dispatch_direct_kernel : purlin::moe::moe_dispatch_kernel, params, stream);
 }
 
 PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream) {
   if (params != nullptr && ((params->dtype != PURLIN_DTYPE_BFLOAT16 && params->dtype != PURLIN_DTYPE_FLOAT16 &&
                              params->dtype != PURLIN_DTYPE_FLOAT32) ||
-                            (params->reject != 0 && params->reject != 1))) {
+                            (params->reject != 0 && params->reject != 1) ||
+                            (params->direct == 1 && params->tokens > 0 && !params->reject &&
+                             params->row_ref == nullptr))) {
     return cudaErrorInvalidValue;
   }
-  return launch(purlin::moe::moe_combine_kernel, params, stream);
+  const bool direct = params != nullptr && params->direct == 1;
+  return launch(direct ? purlin::moe::moe_combine_direct_kernel : purlin::moe::moe_combine_kernel, params, stream);
 }
 
 PURLIN_API int purlin_moe_occupancy(int device, int* blocks_per_sm, int* sm_count) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 12  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
+ABI_VERSION = 13  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
 
 # ---- native.h: limits, the dtype and reduce-op tables -------------------------------------------------------
 SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS
@@ -57,7 +57,8 @@ class MoeParams(ctypes.Structure):
         "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
         "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
         "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device", "one_device")] + [
-        ("trace", ctypes.c_void_p)]
+        ("trace", ctypes.c_void_p)] + [(n, _ll) for n in ("direct", "ptr_off", "ddone_off")] + [
+        (n, _vp) for n in ("out_ref", "row_ref")]
 
 
 # ---- encoding.h: the SNAC op table -------------------------------------------------------------------------
@@ -103,6 +104,10 @@ MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4, "RE
 MOE_TRACE_WORDS = 8
 MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pad"),
                     "combine": ("start", "put_back", "notify", "wait", "reduce")}
+# The same stamps of the direct mode's kernels (virtual ranks: rows straight into the receivers' outputs).
+MOE_TRACE_PHASES_DIRECT = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad"),
+                           "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
+MOE_PTR_WORDS = 16  # a direct-mode pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
 MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)
 
 
@@ -127,7 +132,7 @@ def python_layout() -> dict[str, int]:
         "snac.desc.after_ns": SNAC_DESC_AFTER_NS, "snac.desc.seq_shift": DESC_SEQ_SHIFT,
         "PURLIN_REDUCE_MAX_SOURCES": REDUCE_MAX_SOURCES, "PURLIN_MOE_MAX_RANKS": MOE_MAX_RANKS,
         "PURLIN_MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "PURLIN_MOE_ERROR_WORDS": MOE_ERROR_WORDS,
-        "PURLIN_MOE_TRACE_WORDS": MOE_TRACE_WORDS,
+        "PURLIN_MOE_TRACE_WORDS": MOE_TRACE_WORDS, "PURLIN_MOE_PTR_WORDS": MOE_PTR_WORDS,
     })
     out.update({f"PURLIN_DTYPE_{n.upper()}": v for n, v in DTYPE_CODES.items()})
     out.update({f"PURLIN_REDUCE_{n.upper()}": v for n, v in REDUCE_OP_CODES.items()})

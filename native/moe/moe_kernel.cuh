@@ -212,8 +212,11 @@ struct DispatchShared {
   int tstart[PURLIN_MOE_MAX_RANKS + 1];
   union {
     struct {
-      int j[MoeConfig::kChunk * MoeConfig::kMaxTopk];     // j of the chunk's slots, -1: skipped
-      int pos[MoeConfig::kChunk * PURLIN_MOE_MAX_RANKS];  // slot of (chunk token, rank) there
+      int j[MoeConfig::kChunk * MoeConfig::kMaxTopk];  // j of the chunk's slots, -1: skipped
+      union {
+        int pos[MoeConfig::kChunk * PURLIN_MOE_MAX_RANKS];  // slot of (chunk token, rank) there
+        long long ref[MoeConfig::kChunk * MoeConfig::kMaxTopk];  // direct: receiver << 32 | row, -1: none
+      };
     } route;
     long long rows[MoeConfig::kWarps][MoeConfig::kMaxTopk];  // expand: each warp's rows of its token
   } u;
@@ -222,6 +225,42 @@ struct DispatchShared {
   long long e;
   int flag, fail, bad, nbad;
 };
+
+// Every block of a dispatch, first: this call's epoch into s.e; false (the block has finished) when an earlier
+// error ended this rank's kernels.
+__device__ inline bool dispatch_begins(const PurlinMoeParams& p, DispatchShared& s) {
+  long long* st = state(p);
+  if (threadIdx.x == 0) {
+    s.e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
+    s.fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s.bad = 0;
+  }
+  __syncthreads();
+  stamp(p, 0, 0);
+  if (s.fail) {
+    finish(st + kDispExit, st + kDispEpoch, s.e);
+    return false;
+  }
+  return true;
+}
+
+// One block: my count word of epoch e to EVERY rank (also when I send it nothing): [epoch, tokens, meta,
+// rows per its local expert], the epoch last (release).
+__device__ inline void count_words_out(const PurlinMoeParams& p, const DispatchShared& s, int par, long long e) {
+  const long long W = p.world, L = p.local;
+  for (long long i = threadIdx.x; i < W * (L + 2); i += blockDim.x) {
+    const long long d = i / (L + 2), c = i % (L + 2);
+    long long* cw = count_word(p, d, par, p.rank);
+    if (c == 0) cw[1] = s.tok[d];
+    else if (c == 1) cw[2] = meta(p);
+    else reinterpret_cast<int*>(cw + 3)[c - 2] = s.cnt[d * L + c - 2];
+  }
+  __syncthreads();
+  if (threadIdx.x < W) {
+    sig_fence(p);
+    sig_release(p, count_word(p, threadIdx.x, par, p.rank), e);
+  }
+}
 
 __device__ __forceinline__ long long load_id(const PurlinMoeParams& p, long long i) {
   return p.ids_bytes == 4 ? static_cast<long long>(static_cast<const int*>(p.ids)[i])
@@ -267,26 +306,36 @@ __device__ inline void route_counts(const PurlinMoeParams& p, DispatchShared& s,
   __syncthreads();
 }
 
-// Warp 0: j of every slot of tokens [c0, c0 + n) (its rank among my slots of the same expert, in (t, k)
-// order) and the slot of each (token, destination) there (its rank among my tokens sent to that rank);
-// advances pre and tpre past the chunk. Also writes out_valid.
+// Warp 0, lane's slot i of a step of 32 slots (in the chunk where i < end): its expert id (-1: not routed)
+// and j, its rank among my slots of that expert in (t, k) order (-1: not routed); advances pre past the
+// step's slots.
+__device__ __forceinline__ int slot_rank(const PurlinMoeParams& p, DispatchShared& s, long long i, long long end,
+                                         int lane, long long E, long long* id_out) {
+  const long long id = i < end ? load_id(p, i) : -1;
+  const bool valid = i < end && id >= 0 && id < E;
+  const unsigned peers = __match_any_sync(0xffffffffu, valid ? int(id) : -2 - lane);
+  const int base = valid ? s.pre[id] : 0;
+  __syncwarp();
+  if (valid && (peers >> lane) == 1u) s.pre[id] = base + __popc(peers);  // the group's highest lane
+  __syncwarp();
+  *id_out = valid ? id : -1;
+  return valid ? base + __popc(peers & ((1u << lane) - 1u)) : -1;
+}
+
+// Warp 0: j of every slot of tokens [c0, c0 + n) (slot_rank) and the slot of each (token, destination)
+// there (its rank among my tokens sent to that rank); advances pre and tpre past the chunk. Also writes
+// out_valid.
 __device__ inline void route_chunk(const PurlinMoeParams& p, DispatchShared& s, long long c0, int n, int lane,
                                    long long E) {
   const unsigned full = 0xffffffffu, below = (1u << lane) - 1u;
   const long long K = p.topk, begin = c0 * K, end = (c0 + n) * K;
   for (long long s0 = begin; s0 < end; s0 += 32) {
     const long long i = s0 + lane;
-    const bool in = i < end;
-    const long long id = in ? load_id(p, i) : -1;
-    const bool valid = in && id >= 0 && id < E;
-    const unsigned peers = __match_any_sync(full, valid ? int(id) : -2 - lane);
-    const int base = valid ? s.pre[id] : 0;
-    __syncwarp();
-    if (valid && (peers >> lane) == 1u) s.pre[id] = base + __popc(peers);  // the group's highest lane
-    __syncwarp();
-    if (in) {
-      s.u.route.j[i - begin] = valid ? base + __popc(peers & below) : -1;
-      p.out_valid[i] = valid ? 1 : 0;
+    long long id;
+    const int j = slot_rank(p, s, i, end, lane, E, &id);
+    if (i < end) {
+      s.u.route.j[i - begin] = j;
+      p.out_valid[i] = id >= 0 ? 1 : 0;
     }
   }
   const unsigned long long m = lane < n ? token_mask(p, c0 + lane, E) : 0ull;
@@ -502,20 +551,10 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   __shared__ DispatchShared s;
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  if (tid == 0) {
-    s.e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
-    s.fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s.bad = 0;
-  }
-  __syncthreads();
+  if (!dispatch_begins(p, s)) return;
   const long long e = s.e;
   const int par = int(e & 1);
   const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
-  stamp(p, 0, 0);
-  if (s.fail) {
-    finish(st + kDispExit, st + kDispEpoch, e);
-    return;
-  }
   // route + put rows: this block's tokens
   const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
   route_counts(p, s, t0, E);
@@ -523,18 +562,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   stamp(p, 0, 1);
   // notify: my count word to every rank, every call
   if (arrive_last(p, st + kDispArrive, e, &s.flag)) {
-    for (long long i = tid; i < W * (L + 2); i += blockDim.x) {
-      const long long d = i / (L + 2), c = i % (L + 2);
-      long long* cw = count_word(p, d, par, p.rank);
-      if (c == 0) cw[1] = s.tok[d];
-      else if (c == 1) cw[2] = meta(p);
-      else reinterpret_cast<int*>(cw + 3)[c - 2] = s.cnt[d * L + c - 2];
-    }
-    __syncthreads();
-    if (tid < W) {
-      sig_fence(p);
-      sig_release(p, count_word(p, tid, par, p.rank), e);
-    }
+    count_words_out(p, s, par, e);
   }
   __syncthreads();  // cnt is read above before it is overwritten below
   stamp(p, 0, 2);
@@ -612,8 +640,9 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
 }
 
 // y[t] 16-byte chunk c: float32 sum over k in order, products and sums rounded separately (no FMA).
-template <class T>
-__device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
+// row(t, k): where slot (t, k)'s row lies, or nullptr where it adds nothing.
+template <class T, class Row>
+__device__ inline void reduce_slots(const PurlinMoeParams& p, Row row) {
   constexpr int kVec = 16 / sizeof(T), kLoads = 8;
   const long long chunks = p.ret_bytes / 16, K = p.topk;
   const long long items = p.tokens * chunks;
@@ -630,10 +659,11 @@ __device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         const long long k = k0 + u;
-        ok[u] = k < K && p.valid[t * K + k];
+        const char* r = k < K ? row(t, k) : nullptr;
+        ok[u] = r != nullptr;
         if (ok[u]) {
           w[u] = p.weights[t * K + k];
-          raw[u] = *reinterpret_cast<const int4*>(ret + (t * K + k) * p.ret_bytes + c * 16);
+          raw[u] = *reinterpret_cast<const int4*>(r + c * 16);
         }
       }
 #pragma unroll
@@ -650,6 +680,15 @@ __device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
     for (int i = 0; i < kVec; ++i) o[i] = from_f<T>(acc[i]);
     *reinterpret_cast<int4*>(static_cast<char*>(p.y) + t * p.ret_bytes + c * 16) = out;
   }
+}
+
+// The receive-slot path: slot (t, k) came back to ret[t * K + k].
+template <class T>
+__device__ inline void reduce_rows(const PurlinMoeParams& p, const char* ret) {
+  const long long K = p.topk;
+  reduce_slots<T>(p, [&](long long t, long long k) -> const char* {
+    return p.valid[t * K + k] ? ret + (t * K + k) * p.ret_bytes : nullptr;
+  });
 }
 
 // Put back: every valid row to slot t*K + k of its source. Each block takes a contiguous range of rows,
@@ -736,6 +775,292 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
       default: reduce_rows<float>(p, ret); break;
     }
   }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 1, 4);
+  finish(st + kCombExit, st + kCombEpoch, e);
+}
+
+// ---- direct mode ---------------------------------------------------------------------------------------
+// Virtual ranks (one process: every rank's tensors are addressable by every other rank's kernel). No
+// receive slots and no return rows: a source writes each (token, expert) row once, straight into its
+// final row of the receiver's out_x, and the combine reads each expert output where it lies.
+//
+// Each rank's pointer block, per parity, in its own region at ptr_off (PtrBlock): the dispatch's output
+// pointers and capacity (visible to a peer once it has acquired one of my count words of that call, which
+// I release after writing them), and the combine's expert_out with its epoch word (released).
+//
+// dispatch, epoch e, parity e & 1:
+//   route      as above (every block: my rows per global expert, my tokens' j)
+//   counts out block 0: my pointer block, then my count word to every rank (release)
+//   counts in  threads poll the count word of EVERY (receiver d, producer q) pair of this epoch: a source
+//              needs, for its rows to d, the rows that ranks before it send to d (its offset in each group)
+//   offsets    cnt[d * L + le] = sum over q < me of min(rows q sends to d's expert le, d's capacity)
+//   put        (token, part of its row) per warp: each 16-byte unit read (and quantised) once and stored to
+//              every (token, k) row at its receiver: le * W * cap_d + offset + j (j >= cap_d: not written, the
+//              receiver records the overflow); the part at unit 0 also writes the row's expert, source,
+//              slot and scale there; out_ref[t, k] = d << 32 | row for the combine
+//   delivered  the last block to arrive writes ddone[me] = e in every rank's region (release)
+//   pad        each block, for its local experts: out_counts, padding rows (expert -1), overflow records
+//   wait       threads poll ddone[q] >= e for every q: every row of mine has landed
+// combine, epoch e:
+//   ready out  block 0: expert_out into my pointer block, its epoch word = e (release; a rank that rejected
+//              its arguments: e | kRejectBit)
+//   ready in   threads poll every rank's epoch word (a reject bit: skip the reduce, record kRejected)
+//   reduce     y[t] = sum_k w[t,k] * expert_out_d[row], float32 (no FMA contraction), k = 0..K-1, the rows
+//              read where they lie
+//   done       the last block to arrive writes done[me] = e in every rank's region (release)
+//   wait       threads poll done[q] >= e: no rank reads my expert_out any more when my kernel ends
+
+struct PtrBlock {  // PURLIN_MOE_PTR_WORDS words
+  long long out_x, out_expert, out_src, out_slot, out_scales, capacity, d_pad[2];
+  long long c_epoch, expert_out, c_pad[6];
+};
+static_assert(sizeof(PtrBlock) == PURLIN_MOE_PTR_WORDS * 8, "PtrBlock is PURLIN_MOE_PTR_WORDS words");
+
+__device__ __forceinline__ PtrBlock* ptr_block(const PurlinMoeParams& p, long long rank, int par) {
+  return reinterpret_cast<PtrBlock*>(static_cast<char*>(p.bases[rank]) + p.ptr_off) + par;
+}
+__device__ __forceinline__ long long* ddone_word(const PurlinMoeParams& p, long long rank, long long producer) {
+  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.ddone_off) + producer;
+}
+__device__ __forceinline__ long long* done_word(const PurlinMoeParams& p, long long rank, long long consumer) {
+  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.done_off) + consumer;
+}
+__device__ __forceinline__ int count_of(const PurlinMoeParams& p, long long rank, int par, long long producer,
+                                        long long le) {
+  return reinterpret_cast<const int*>(count_word(p, rank, par, producer) + 3)[le];
+}
+
+// Warp 0: j of every slot of tokens [c0, c0 + n) (as route_chunk), turned into the slot's row at its
+// receiver (ref); writes out_valid and out_ref.
+__device__ inline void route_chunk_direct(const PurlinMoeParams& p, DispatchShared& s, int par, long long c0, int n,
+                                          int lane, long long E) {
+  const long long K = p.topk, L = p.local, W = p.world, begin = c0 * K, end = (c0 + n) * K;
+  for (long long s0 = begin; s0 < end; s0 += 32) {
+    const long long i = s0 + lane;
+    long long id;
+    const int j = slot_rank(p, s, i, end, lane, E, &id);
+    if (i < end) {
+      long long ref = -1;
+      if (id >= 0) {
+        const long long d = id / L, le = id % L, cap = ptr_block(p, d, par)->capacity;
+        if (j < cap) ref = (d << 32) | (le * W * cap + s.cnt[id] + j);
+      }
+      s.u.route.ref[i - begin] = ref;
+      p.out_valid[i] = id >= 0 ? 1 : 0;
+      p.out_ref[i] = ref;
+    }
+  }
+}
+
+// Warp: units [u0, u1) of chunk token tt (token t) to each of its rows at their receivers, each unit read
+// once; the part at unit 0 also writes the rows' expert, source, slot and scale.
+__device__ inline void put_direct(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
+                                  long long u0, long long u1, int lane) {
+  const long long K = p.topk;
+  const long long ref = lane < K ? s.u.route.ref[tt * K + lane] : -1;
+  char* dst = nullptr;
+  if (ref >= 0) {
+    const PtrBlock* b = ptr_block(p, ref >> 32, par);
+    const long long row = ref & 0xffffffffll;
+    dst = reinterpret_cast<char*>(b->out_x) + row * p.payload_bytes;
+    if (u0 == 0) {
+      reinterpret_cast<int*>(b->out_expert)[row] = int(load_id(p, t * K + lane) % p.local);
+      reinterpret_cast<int*>(b->out_src)[row] = int(p.rank);
+      reinterpret_cast<long long*>(b->out_slot)[row] = t * K + lane;
+      if (b->out_scales != 0) reinterpret_cast<float*>(b->out_scales)[row] = p.quant ? s.scale[tt] : 1.0f;
+    }
+  }
+  const unsigned full = 0xffffffffu, has = __ballot_sync(full, dst != nullptr);
+  const float scale = p.quant ? s.scale[tt] : 1.0f;
+  constexpr int kUnroll = 4;
+  for (long long b0 = u0; b0 < u1; b0 += 32 * kUnroll) {  // the same trip count in every lane (shuffles)
+    const long long u = b0 + lane;
+    int4 v[kUnroll];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, scale);
+    }
+    for (unsigned m = has; m; m &= m - 1) {
+      int4* out = reinterpret_cast<int4*>(__shfl_sync(full, reinterpret_cast<long long>(dst), __ffs(m) - 1));
+#pragma unroll
+      for (int i = 0; i < kUnroll; ++i) {
+        if (u + 32 * i < u1) out[u + 32 * i] = v[i];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_direct_kernel(PurlinMoeParams p) {
+  __shared__ DispatchShared s;
+  long long* st = state(p);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  if (!dispatch_begins(p, s)) return;
+  const long long e = s.e;
+  const int par = int(e & 1);
+  const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
+  const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
+  route_counts(p, s, t0, E);
+  // counts out: my pointer block, then my count word to every rank, every call
+  if (blockIdx.x == 0) {
+    if (tid == 0) {
+      PtrBlock* b = ptr_block(p, p.rank, par);
+      b->out_x = reinterpret_cast<long long>(p.out_x);
+      b->out_expert = reinterpret_cast<long long>(p.out_expert);
+      b->out_src = reinterpret_cast<long long>(p.out_src);
+      b->out_slot = reinterpret_cast<long long>(p.out_slot);
+      b->out_scales = reinterpret_cast<long long>(p.out_scales);
+      b->capacity = cap;
+    }
+    count_words_out(p, s, par, e);
+  }
+  stamp(p, 0, 1);
+  // counts in: every (receiver, producer) pair of this epoch
+  for (long long i = tid; i < W * W; i += blockDim.x) {
+    if (!wait_ge(p, count_word(p, i / W, par, i % W), e, 0, i % W)) s.fail = 1;
+  }
+  __syncthreads();  // also: block 0's count words are written before cnt is overwritten below
+  stamp(p, 0, 2);
+  if (!s.fail && tid < W && count_word(p, p.rank, par, tid)[2] != meta(p)) {
+    record(p, kMismatch, 0, tid, -1, count_word(p, p.rank, par, tid)[2], meta(p), e, 0, true);
+    s.bad = 1;
+  }
+  __syncthreads();
+  if (!s.fail && !s.bad) {
+    // offsets: cnt[d * L + le] = the rows of ranks before me in d's group le
+    for (long long i = tid; i < E; i += blockDim.x) {
+      const long long d = i / L, le = i % L, cap_d = ptr_block(p, d, par)->capacity;
+      int acc = 0;
+      for (long long q = 0; q < p.rank; ++q) acc += int(min(static_cast<long long>(count_of(p, d, par, q, le)), cap_d));
+      s.cnt[i] = acc;
+    }
+    __syncthreads();
+    // put: kChunk tokens at a time, a (token, part of its row) per warp
+    const long long units = p.payload_bytes / 16;
+    for (long long c0 = t0; c0 < t1; c0 += MoeConfig::kChunk) {
+      const int n = int(min(static_cast<long long>(MoeConfig::kChunk), t1 - c0));
+      if (warp == 0) {
+        route_chunk_direct(p, s, par, c0, n, lane, E);
+      } else if (p.quant) {
+        for (int tt = warp - 1; tt < n; tt += nwarps - 1) {
+          const float sc = token_scale(p, c0 + tt, lane);
+          if (lane == 0) s.scale[tt] = sc;
+        }
+      }
+      __syncthreads();
+      const int parts = max(1, nwarps / n);
+      const long long per = (units + parts - 1) / parts;
+      for (int it = warp; it < n * parts; it += nwarps) {
+        const int tt = it / parts, part = it % parts;
+        put_direct(p, s, par, tt, c0 + tt, part * per, min(units, (part + 1) * per), lane);
+      }
+      __syncthreads();
+    }
+  }
+  stamp(p, 0, 3);
+  // delivered: the last block of my grid to finish its rows tells every rank
+  if (arrive_last(p, st + kDispArrive, e, &s.flag) && tid < W) {
+    sig_fence(p);
+    sig_release(p, ddone_word(p, tid, p.rank), e);
+  }
+  stamp(p, 0, 4);
+  if (!s.fail && !s.bad) {
+    // my local experts, one block each in turn: counts, overflow records, padding rows
+    const long long group = W * cap;
+    for (long long le = blockIdx.x; le < L; le += gridDim.x) {
+      __syncthreads();
+      if (tid == 0) {
+        int total = 0;
+        for (long long q = 0; q < W; ++q) {
+          const int c = count_of(p, p.rank, par, q, le);
+          if (c > cap) record(p, kOverflow, 0, q, p.rank * L + le, c, cap, e, 0, false);
+          total += int(min(static_cast<long long>(c), cap));
+        }
+        s.flag = total;
+        p.out_counts[le] = total;
+      }
+      __syncthreads();
+      for (long long r = le * group + s.flag + tid; r < (le + 1) * group; r += blockDim.x) {
+        p.out_expert[r] = -1;
+        p.out_src[r] = -1;
+        p.out_slot[r] = -1;
+        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
+      }
+    }
+    if (blockIdx.x == 0 && tid == 0 && s.nbad > 0) record(p, kBadIds, 0, -1, -1, s.nbad, 0, e, 0, false);
+  }
+  __syncthreads();
+  stamp(p, 0, 5);
+  // wait: every producer's rows to me have landed (also after an error: the counters stay in step)
+  if (!s.fail && tid < W && !wait_ge(p, ddone_word(p, p.rank, tid), e, 0, tid)) s.fail = 1;
+  finish(st + kDispExit, st + kDispEpoch, e);
+}
+
+// The direct mode: slot (t, k)'s row lies at row_ref's row of its receiver's expert_out (eo[receiver]).
+template <class T>
+__device__ inline void reduce_direct(const PurlinMoeParams& p, const long long* eo) {
+  const long long K = p.topk;
+  reduce_slots<T>(p, [&](long long t, long long k) -> const char* {
+    const long long ref = p.valid[t * K + k] ? p.row_ref[t * K + k] : -1;
+    return ref >= 0 ? reinterpret_cast<const char*>(eo[ref >> 32]) + (ref & 0xffffffffll) * p.ret_bytes : nullptr;
+  });
+}
+
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_direct_kernel(PurlinMoeParams p) {
+  __shared__ long long s_e, s_eo[PURLIN_MOE_MAX_RANKS];
+  __shared__ int s_flag, s_fail, s_rej;
+  long long* st = state(p);
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
+    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s_rej = 0;
+  }
+  __syncthreads();
+  const long long e = s_e;
+  const int par = int(e & 1);
+  const long long W = p.world;
+  stamp(p, 1, 0);
+  if (s_fail) {
+    finish(st + kCombExit, st + kCombEpoch, e);
+    return;
+  }
+  // ready out: my expert_out for this call (complete: my stream ran the experts before this kernel)
+  if (blockIdx.x == 0 && tid == 0) {
+    PtrBlock* b = ptr_block(p, p.rank, par);
+    b->expert_out = reinterpret_cast<long long>(p.expert_out);
+    sig_fence(p);
+    sig_release(p, &b->c_epoch, p.reject ? (e | kRejectBit) : e);
+  }
+  stamp(p, 1, 1);
+  if (tid < W) {
+    const long long* w = &ptr_block(p, tid, par)->c_epoch;
+    if (!wait_ge(p, w, e, 1, tid)) {
+      s_fail = 1;
+    } else if ((sig_relaxed(p, w) & kRejectBit) && tid != p.rank) {
+      if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);
+      s_rej = 1;
+    } else {
+      s_eo[tid] = ptr_block(p, tid, par)->expert_out;
+    }
+  }
+  __syncthreads();
+  stamp(p, 1, 2);
+  if (!s_fail && !s_rej && !p.reject) {
+    switch (p.dtype) {
+      case PURLIN_DTYPE_BFLOAT16: reduce_direct<__nv_bfloat16>(p, s_eo); break;
+      case PURLIN_DTYPE_FLOAT16: reduce_direct<__half>(p, s_eo); break;
+      default: reduce_direct<float>(p, s_eo); break;
+    }
+  }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 1, 3);
+  // done: this rank reads no expert output any more
+  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {
+    sig_fence(p);
+    sig_release(p, done_word(p, tid, p.rank), e);
+  }
+  if (!s_fail && tid < W && !wait_ge(p, done_word(p, p.rank, tid), e, 1, tid)) s_fail = 1;
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 1, 4);
   finish(st + kCombExit, st + kCombEpoch, e);

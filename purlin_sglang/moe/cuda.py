@@ -5,6 +5,13 @@ count words, wait, expand) over the caller's x and topk ids as they are. Combine
 combine kernel (put back, done words, wait, weighted reduce). Nothing blocks the host in graph
 mode; every wait is bounded by ``timeout_s``.
 
+Virtual ranks (one process) take the direct mode by default (``moe.direct``; moe_kernel.cuh, "direct
+mode"): a source writes each (token, expert) row once, straight into the receiver's ``x`` (and its
+expert, source, slot and scale), and the combine reads each expert output where it lies and reduces
+it; ``out_ref`` ([T, K], receiver << 32 | row) carries each slot's row from the dispatch to its
+combine. Ranks in separate processes cannot address each other's tensors and take the receive-slot
+path above. Both modes give the same outputs, bitwise.
+
 Modes:
 
 * graph mode (under CUDA graph capture, or ``capacity=`` given): ``world * capacity`` rows per local
@@ -92,21 +99,29 @@ def recorded_error(words, timeout_s: float) -> tuple[PurlinError, bool] | None:
 class _State:
     """What a dispatch leaves for its combine (kept alive with the MoEDispatch)."""
 
-    __slots__ = ("valid", "src", "slot", "rows", "cap", "index")
+    __slots__ = ("valid", "src", "slot", "rows", "cap", "index", "ref")
 
-    def __init__(self, valid, src, slot, rows, cap, index):
+    def __init__(self, valid, src, slot, rows, cap, index, ref=None):
         self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
+        self.ref = ref  # direct mode: [T, K] receiver << 32 | row there (-1: none)
 
 
 
-def trace_stamps(words) -> dict[str, dict[str, int]]:
+def trace_stamps(words, direct: bool = False) -> dict[str, dict[str, int]]:
     """The kernels' trace words (``2 * MOE_TRACE_WORDS``, rows dispatch and combine) by kind and phase
-    name; a phase not stamped yet (0) is left out."""
+    name (the direct mode's kernels have their own phases); a phase not stamped yet (0) is left out."""
     out = {}
-    for row, (kind, phases) in enumerate(native.MOE_TRACE_PHASES.items()):
+    table = native.MOE_TRACE_PHASES_DIRECT if direct else native.MOE_TRACE_PHASES
+    for row, (kind, phases) in enumerate(table.items()):
         base = row * native.MOE_TRACE_WORDS
         out[kind] = {name: int(words[base + i]) for i, name in enumerate(phases) if words[base + i]}
     return out
+
+def direct_mode(ctx: MoEContext) -> bool:
+    """Whether the kernels take the direct mode: virtual ranks (one process, every rank's tensors
+    addressable) and ``moe.direct`` on."""
+    return ctx.group is None and ctx.config.moe.direct
+
 
 def signals_at_gpu_scope(ctx: MoEContext) -> bool:
     """Whether the kernels' count and done words may signal at GPU scope: every rank's region lies on
@@ -132,6 +147,7 @@ class CudaMoE:
                                          f"{sms} SMs ({per_sm} MoE block(s) per SM)")
         self.blocks = min(MAX_BLOCKS, slots)
         self.one_device = signals_at_gpu_scope(ctx)
+        self.direct = direct_mode(ctx)
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
@@ -168,7 +184,8 @@ class CudaMoE:
             raise PurlinUnavailableError("moe_dispatch: the MoE region is made on the first call, which cannot be "
                                          "captured; run the call once outside the CUDA graph capture (warm-up)")
         ctx = self.ctx
-        layout = MoELayout(self.world, self.settings.max_tokens_per_rank, topk, payload_bytes, ret_bytes)
+        layout = MoELayout(self.world, self.settings.max_tokens_per_rank, topk, payload_bytes, ret_bytes,
+                           direct=self.direct)
         if ctx.shared_regions is not None:
             self.region = ctx.shared_regions.get(layout, self.device)
         else:
@@ -197,6 +214,7 @@ class CudaMoE:
         p.device = self.device_index  # made current by the library before the launch
         p.one_device = int(self.one_device)
         p.trace = self._trace.data_ptr() if self._trace is not None else None
+        p.direct, p.ptr_off, p.ddone_off = int(layout.direct), layout.ptr_off, layout.ddone_off
         return p
 
     def _launch(self, fn, p, op: str) -> None:
@@ -265,7 +283,7 @@ class CudaMoE:
             return None
         if self._stream is not None:
             self._stream.synchronize()
-        return trace_stamps(self._trace.tolist())
+        return trace_stamps(self._trace.tolist(), self.direct)
 
     # -- calls -----------------------------------------------------------------------------------------
     def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> int:
@@ -330,6 +348,7 @@ class CudaMoE:
         out_counts = torch.empty(local, dtype=torch.int32, device=dev)
         out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if fp8 else None
         valid = torch.empty(t_n, k_n, dtype=torch.bool, device=dev)
+        ref = torch.empty(t_n, k_n, dtype=torch.int64, device=dev) if layout.direct else None
         p = self._params(layout)
         p.local, p.topk, p.tokens, p.capacity = local, k_n, t_n, cap
         p.payload_bytes, p.hdr_bytes = payload_bytes, header_bytes(k_n)
@@ -340,11 +359,12 @@ class CudaMoE:
                                                         out_slot.data_ptr())
         p.out_counts, p.out_valid = out_counts.data_ptr(), valid.data_ptr()
         p.out_scales = out_scales.data_ptr() if out_scales is not None else None
+        p.out_ref = ref.data_ptr() if ref is not None else None
         if rows_exact is not None:  # exact rows: the valid rows of each group, known from the counts
             index = torch.cat([torch.arange(e * world * cap, e * world * cap + int(n), dtype=torch.int64, device=dev)
                                for e, n in enumerate(rows_exact.tolist())])  # made on the device: no copy
         self._launch(self.lib.moe_dispatch, p, op)
-        state = _State(valid, out_src, out_slot, rows, cap, index)
+        state = _State(valid, out_src, out_slot, rows, cap, index, ref)
         d_x, d_expert, d_src, d_slot, d_scales = out_x, out_expert, out_src, out_slot, out_scales
         if index is not None:
             d_x, d_expert, d_src, d_slot = out_x[index], out_expert[index], out_src[index], out_slot[index]
@@ -387,6 +407,7 @@ class CudaMoE:
         p.ret_bytes, p.dtype = ret_bytes, _CODES[expert_out.dtype]
         p.expert_out, p.row_src, p.row_slot = full.data_ptr(), st.src.data_ptr(), st.slot.data_ptr()
         p.weights, p.valid, p.y = d.weights.data_ptr(), st.valid.data_ptr(), y.data_ptr()
+        p.row_ref = st.ref.data_ptr() if st.ref is not None else None
         self._launch(self.lib.moe_combine, p, op)
         if not capturing_now():
             self.check()  # an overflow or bad ids recorded by an earlier dispatch: every rank ran this call

@@ -20,6 +20,13 @@ CFG = {"staging_bytes": 1 << 20, "timeout_s": 10, "moe": {"max_tokens_per_rank":
 H = 64
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["direct", "slots"])
+def _mode(request, monkeypatch):
+    """Every test in both modes of virtual ranks: rows straight into the receivers' outputs (moe.direct, the
+    default) and the receive-slot path that ranks in separate processes take."""
+    monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "direct": request.param})
+
+
 def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):
     barrier = threading.Barrier(world)
     return ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype, barrier),
@@ -184,7 +191,7 @@ def test_long_token_ranges_route_in_chunks(xdtype, qdtype):
     xs, ids, ws = make_case(world, experts, topk, H, xdtype, 51 + int(qdtype is None), max_tokens=1100,
                             fixed_tokens=True)
     cap = max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts))
-    big = {**CFG, "moe": {"max_tokens_per_rank": 1100}}
+    big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": 1100}}
     for capacity in (None, cap):
         barrier = threading.Barrier(world)
         res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier),

@@ -2,7 +2,7 @@
 
 It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/moe/cuda.py) and
 follows the kernels step by step (put rows, count words, wait, expand, padding; put back, done
-words, wait, reduce) over raw addresses of CPU tensors, so the engine's glue (parameters, layout,
+words, wait, reduce; and the direct mode's steps) over raw addresses of CPU tensors, so the engine's glue (parameters, layout,
 modes, errors) and the protocol are checked without a GPU. Each rank's "kernel" runs in its
 rank's thread; waits spin with a timeout like the device's.
 """
@@ -19,6 +19,7 @@ from purlin_sglang.moe.routing import quantize_fp8, route, send_positions
 
 K_DISP_EPOCH, K_COMB_EPOCH, K_FATAL = 0, 1, 6
 REJECT_BIT = 1 << 62
+PTR_WORDS = 16  # native.h PURLIN_MOE_PTR_WORDS
 _DT = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _ESIZE = {1: 2, 2: 2, 3: 4}
 
@@ -91,9 +92,25 @@ class FakeMoELib:
     def _meta(p):
         return (p.payload_bytes << 24) | (p.topk << 16) | p.local
 
+    def _count_words_out(self, p, r, par, e):
+        """My count word to every rank, every call; the epoch last."""
+        counts, tokens_to, l_ = r.counts.numpy(), r.tokens_to.numpy(), p.local
+        for d in range(p.world):
+            cw = self._cw(p, d, par, p.rank)
+            i64(cw, 3)[1:3] = (tokens_to[d], self._meta(p))
+            i32(cw + 24, l_)[:] = counts[d * l_:(d + 1) * l_]
+        for d in range(p.world):
+            i64(self._cw(p, d, par, p.rank))[0] = e
+
+    @staticmethod
+    def _ptr(p, rank, par):  # the direct mode's pointer block (PURLIN_MOE_PTR_WORDS words)
+        return i64(p.bases[rank] + p.ptr_off + par * PTR_WORDS * 8, PTR_WORDS)
+
     # -- dispatch -------------------------------------------------------------------------------------
     def moe_dispatch(self, pref, stream):
         p = pref._obj
+        if p.direct:
+            return self._dispatch_direct(p)
         self.launches.append(("dispatch", p.blocks))
         w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
         st = i64(p.bases[me] + p.state_off, 16)
@@ -109,14 +126,7 @@ class FakeMoELib:
         send_pos = send_positions(r.to_rank).reshape(-1).numpy()
         if t_n:
             i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
-        row_bytes = p.payload_bytes * (_ESIZE[p.x_dtype] if p.quant else 1)
-        x = (torch.frombuffer(bytearray((ctypes.c_char * (t_n * row_bytes)).from_address(p.x)), dtype=torch.uint8)
-             if t_n else torch.zeros(0, dtype=torch.uint8))
-        scales = None
-        if p.quant and t_n:
-            q, scales = quantize_fp8(x.view(_DT[p.x_dtype]).view(t_n, p.payload_bytes))
-            x = q.view(torch.uint8).reshape(-1)
-        x = x.contiguous().numpy()
+        x, scales = self._wire_rows(p, t_n)
         for it in range(t_n * w_):
             t, d = it // w_, (it % w_ + me + 1) % w_
             pos = int(send_pos[t * w_ + d])
@@ -131,15 +141,8 @@ class FakeMoELib:
                 h[1 + k] = le[t * k_ + k] if mine else -1
                 h[1 + k_ + k] = j[t * k_ + k] if mine else -1
             ctypes.memmove(slot + p.hdr_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
-        counts = r.counts.numpy()
-        tokens_to = r.tokens_to.numpy()
         n_bad = int(((ids < -1) | (ids >= l_ * w_)).sum())
-        for d in range(w_):  # count words to every rank, every call; the epoch last
-            cw = self._cw(p, d, par, me)
-            i64(cw, 3)[1:3] = (tokens_to[d], self._meta(p))
-            i32(cw + 24, l_)[:] = counts[d * l_:(d + 1) * l_]
-        for d in range(w_):
-            i64(self._cw(p, d, par, me))[0] = e
+        self._count_words_out(p, r, par, e)
         ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) for q in range(w_))
         if ok:
             for q in range(w_):
@@ -185,9 +188,132 @@ class FakeMoELib:
         st[K_DISP_EPOCH] = e
         return 0
 
+    def _wire_rows(self, p, t_n):
+        """Token rows as they travel (FP8-quantised when p.quant) and their scales."""
+        row_bytes = p.payload_bytes * (_ESIZE[p.x_dtype] if p.quant else 1)
+        x = (torch.frombuffer(bytearray((ctypes.c_char * (t_n * row_bytes)).from_address(p.x)), dtype=torch.uint8)
+             if t_n else torch.zeros(0, dtype=torch.uint8))
+        scales = None
+        if p.quant and t_n:
+            q, scales = quantize_fp8(x.view(_DT[p.x_dtype]).view(t_n, p.payload_bytes))
+            x = q.view(torch.uint8).reshape(-1)
+        return x.contiguous().numpy(), scales
+
+    def _dispatch_direct(self, p):
+        """The direct mode (moe_kernel.cuh): rows straight into each receiver's outputs."""
+        self.launches.append(("dispatch-direct", p.blocks))
+        w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
+        st = i64(p.bases[me] + p.state_off, 16)
+        e = int(st[K_DISP_EPOCH]) + 1
+        par = e & 1
+        if st[K_FATAL]:
+            st[K_DISP_EPOCH] = e
+            return 0
+        t_n = p.tokens
+        ids = (i32 if p.ids_bytes == 4 else i64)(p.ids, t_n * k_).astype(np.int64) if t_n else np.zeros(0, np.int64)
+        r = route(torch.from_numpy(ids).view(t_n, k_), l_ * w_, w_)
+        dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
+        if t_n:
+            i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
+        self._ptr(p, me, par)[:6] = (p.out_x, p.out_expert, p.out_src, p.out_slot, p.out_scales or 0, cap)
+        self._count_words_out(p, r, par, e)
+        ok = all(self._wait(p, self._cw(p, d, par, q), e, 0, q) for d in range(w_) for q in range(w_))
+        if ok:
+            for q in range(w_):
+                if i64(self._cw(p, me, par, q), 3)[2] != self._meta(p):
+                    self._record(p, 4, 0, q, -1, int(i64(self._cw(p, me, par, q), 3)[2]), self._meta(p), e, 0, True)
+                    ok = False
+        if ok:
+            x, scales = self._wire_rows(p, t_n)
+            caps = [int(self._ptr(p, d, par)[5]) for d in range(w_)]
+            cnt = {(d, q): i32(self._cw(p, d, par, q) + 24, l_).astype(np.int64) for d in range(w_) for q in range(w_)}
+            ref = i64(p.out_ref, t_n * k_) if t_n else None
+            for i in range(t_n * k_):
+                ref[i] = -1
+                d = int(dst[i])
+                if d < 0 or j[i] >= caps[d]:
+                    continue
+                lev = int(le[i])
+                off = sum(min(int(cnt[(d, q)][lev]), caps[d]) for q in range(me))
+                row = lev * w_ * caps[d] + off + int(j[i])
+                b = self._ptr(p, d, par)
+                t = i // k_
+                ctypes.memmove(int(b[0]) + row * p.payload_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
+                i32(int(b[1]) + 4 * row)[0], i32(int(b[2]) + 4 * row)[0], i64(int(b[3]) + 8 * row)[0] = lev, me, i
+                if b[4]:
+                    f32(int(b[4]) + 4 * row)[0] = float(scales[t]) if scales is not None else 1.0
+                ref[i] = d << 32 | row
+        for d in range(w_):
+            i64(p.bases[d] + p.ddone_off + 8 * me)[0] = e
+        if ok:
+            own = np.stack([cnt[(me, q)] for q in range(w_)])
+            tot = np.minimum(own, cap).sum(0)
+            over = np.argwhere(own > cap)
+            if len(over):
+                q, c = (int(v) for v in over[0])
+                self._record(p, 2, 0, q, me * l_ + c, int(own[q, c]), cap, e, 0, False)
+            if int(((ids < -1) | (ids >= l_ * w_)).sum()):
+                self._record(p, 3, 0, -1, -1, int(((ids < -1) | (ids >= l_ * w_)).sum()), 0, e, 0, False)
+            i32(p.out_counts, l_)[:] = tot
+            rows = l_ * w_ * cap
+            out_expert, out_src, out_slot = i32(p.out_expert, rows), i32(p.out_src, rows), i64(p.out_slot, rows)
+            out_scales = f32(p.out_scales, rows) if p.out_scales else None
+            for rr in range(rows):
+                if rr % (w_ * cap) >= tot[rr // (w_ * cap)]:
+                    out_expert[rr] = out_src[rr] = out_slot[rr] = -1
+                    if out_scales is not None:
+                        out_scales[rr] = 1.0
+            for q in range(w_):
+                self._wait(p, p.bases[me] + p.ddone_off + 8 * q, e, 0, q)
+        st[K_DISP_EPOCH] = e
+        return 0
+
+    def _combine_direct(self, p):
+        self.launches.append(("combine-direct", p.blocks))
+        w_, k_, me = p.world, p.topk, p.rank
+        st = i64(p.bases[me] + p.state_off, 16)
+        e = int(st[K_COMB_EPOCH]) + 1
+        par = e & 1
+        if st[K_FATAL]:
+            st[K_COMB_EPOCH] = e
+            return 0
+        mine = self._ptr(p, me, par)
+        mine[9] = p.expert_out or 0
+        mine[8] = e | (REJECT_BIT if p.reject else 0)
+        ok = all(self._wait(p, p.bases[q] + p.ptr_off + (par * PTR_WORDS + 8) * 8, e, 1, q) for q in range(w_))
+        for q in range(w_):
+            if ok and q != me and int(self._ptr(p, q, par)[8]) & REJECT_BIT:
+                self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
+                ok = False
+        if ok and not p.reject and p.tokens:
+            dt = _DT[p.dtype]
+            n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
+            eo = [int(self._ptr(p, q, par)[9]) for q in range(w_)]
+            ref = i64(p.row_ref, p.tokens * k_)
+            valid = i8(p.valid, p.tokens * k_)
+            w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
+            acc = torch.zeros(p.tokens, n, dtype=torch.float32)
+            for t in range(p.tokens):
+                for k in range(k_):
+                    rf = int(ref[t * k_ + k])
+                    if not valid[t * k_ + k] or rf < 0:
+                        continue
+                    raw = (ctypes.c_char * p.ret_bytes).from_address(eo[rf >> 32] + (rf & 0xFFFFFFFF) * p.ret_bytes)
+                    acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(raw), dtype=dt).to(torch.float32)
+            out = acc.to(dt).contiguous().view(torch.uint8).numpy()
+            ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+        for q in range(w_):
+            i64(p.bases[q] + p.done_off + me * 8)[0] = e
+        for q in range(w_):
+            self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q)
+        st[K_COMB_EPOCH] = e
+        return 0
+
     # -- combine --------------------------------------------------------------------------------------
     def moe_combine(self, pref, stream):
         p = pref._obj
+        if p.direct:
+            return self._combine_direct(p)
         self.launches.append(("combine", p.blocks))
         w_, k_, me = p.world, p.topk, p.rank
         st = i64(p.bases[me] + p.state_off, 16)
