@@ -390,6 +390,17 @@ class Communicator:
         if self._moe is not None:
             self._moe.synchronize()
 
+    def pending_error(self) -> Optional[PurlinError]:
+        """The error the device recorded for one of this rank's earlier calls and that its next call (or
+        :meth:`synchronize`) will raise, or None; None too once closed, and on the CPU engine, whose calls
+        raise as they run. Reads host memory only: no device sync, nothing changed, safe to call from
+        another thread while calls run (a watchdog: SGLang's plugin logs it as soon as it appears, also
+        when a CUDA graph's replays make no call that would raise it)."""
+        engine, moe = self._engine, self._moe
+        if self._closed or engine is None:
+            return None
+        return engine.recorded_error() or (moe.recorded_error() if moe is not None else None)
+
     @contextlib.contextmanager
     def capture(self):
         """Context for CUDA graph capture (the CPU engine captures nothing: a no-op).

@@ -606,3 +606,12 @@ def test_v_forms_whose_sizes_every_rank_knows_take_packets_with_the_sizes_in_the
     assert paths[0].algorithm("all_gather_v", 1 << 20) == "oneshot"
     staged = [CallPath(r, 2, cpu, cfg, packets=False) for r in range(2)]  # e.g. the CPU engine
     assert prep(staged[0], agv, torch.zeros(0, 4), None, sizes).sched.plan.algorithm == "oneshot"
+
+
+def test_pending_error_is_none_where_calls_raise_as_they_run():
+    def fn(c):
+        before = c.pending_error()
+        c.all_reduce(torch.ones(4))
+        return before, c.pending_error()
+
+    assert ps.run_virtual(2, fn) == [(None, None), (None, None)]

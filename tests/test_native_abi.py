@@ -316,6 +316,16 @@ def test_a_bad_record_is_a_broken_error_not_a_timeout():
         e.check()
 
 
+def test_the_recorded_error_is_read_without_raising_or_breaking():
+    assert _engine_with_empty_record().recorded_error() is None
+    e = _engine_with_record(native.SNAC_ERROR_CODES["TIMEOUT"], co.NOTIFY, 5, 7)
+    seen = e.recorded_error()  # what a watchdog thread reads: the same error check() raises, nothing changed
+    assert isinstance(seen, PurlinTimeoutError) and e.broken is None and e._err[0]
+    with pytest.raises(PurlinTimeoutError) as raised:
+        e.check()
+    assert str(raised.value) == str(seen) and e.broken == str(seen)
+
+
 # -- device call descriptors (config device_call_check) ---------------------------------------------------------
 def _schedule(spec, world: int, rank: int, nbytes: int, root=None):
     from purlin_sglang.snac import Sizes, lower, make_plan

@@ -194,6 +194,10 @@ class Engine(Protocol):
     def check(self) -> None:
         """Raise an error an earlier call recorded, without waiting for the device."""
 
+    def recorded_error(self) -> Optional[Exception]:
+        """The error :meth:`check` would raise now, or None; changes nothing, waits for nothing, safe from
+        another thread (host engines: always None, their calls raise as they run)."""
+
     def synchronize(self) -> None:
         """Wait until this rank's enqueued calls are done; raise an error one of them recorded."""
 

@@ -15,6 +15,7 @@ and raises :class:`PurlinTimeoutError` there: an error can surface one call late
 from __future__ import annotations
 
 import ctypes
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from .. import native
 from ..abi import DESC_SEQ_SHIFT
 from ..config import timeouts
 from ..errors import (
-    PurlinBrokenError, PurlinCudaError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
+    PurlinBrokenError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
 )
 from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
 from ..snac import Schedule, registry
@@ -232,18 +233,25 @@ class CudaEngine:
             self._raise_recorded()
 
     def _raise_recorded(self) -> None:
+        error = self.recorded_error()
+        self.broken = self.broken or str(error)
+        raise error
+
+    def recorded_error(self) -> Optional[PurlinError]:
+        """The error a kernel of this rank recorded (the one :meth:`check` raises), or None. Reads the
+        host-mapped record only: no device sync, nothing changed; safe from another thread."""
+        if not self._err[0]:
+            return None
         code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
         if code == native.SNAC_ERROR_CODES["MISMATCH"]:
-            msg = self._mismatch_message(name, rank, peer, target, seen)
-            self.broken = self.broken or msg
-            raise PurlinMismatchError(msg, op=name, rank=rank, peer=peer)
+            return PurlinMismatchError(self._mismatch_message(name, rank, peer, target, seen), op=name, rank=rank,
+                                       peer=peer)
         if code == native.SNAC_ERROR_CODES["BAD_RECORD"]:
-            msg = (f"{name}: rank {rank}'s kernel met op #{index} (opcode {kind}, word 0 {seen:#x}) that it cannot "
-                   f"run (dtype code {target}: 0 is the copy-only kernel); the op table and the native library "
-                   "disagree, nothing was skipped; the communicator is now broken")
-            self.broken = self.broken or msg
-            raise PurlinBrokenError(msg)
+            return PurlinBrokenError(
+                f"{name}: rank {rank}'s kernel met op #{index} (opcode {kind}, word 0 {seen:#x}) that it cannot "
+                f"run (dtype code {target}: 0 is the copy-only kernel); the op table and the native library "
+                "disagree, nothing was skipped; the communicator is now broken")
         kname = KIND_NAMES.get(kind, str(kind))
         what = {
             NOTIFY: f"chunk {target} of rank {peer}'s staging item {item} (saw {seen})",
@@ -254,9 +262,8 @@ class CudaEngine:
         }.get(kind, kname)
         msg = (f"{name}: rank {rank} waited {self.timeout_s:g}s at op #{index} ({kname} wait) for {what}. "
                f"Rank {peer} skipped this call or is stuck; the communicator is now broken")
-        self.broken = self.broken or msg
         missing = [peer] if kind != BARRIER_KIND else []
-        raise PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
+        return PurlinTimeoutError(msg, op=name, rank=rank, missing=missing)
 
     def _mismatch_message(self, name: str, rank: int, peer: int, mine: int, theirs: int) -> str:
         """A MISMATCH record: my descriptor word 0 in ``mine``, the peer's in ``theirs`` (native.h desc_off)."""

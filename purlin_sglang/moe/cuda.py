@@ -249,6 +249,12 @@ class CudaMoE:
         self.ctx.mark_broken(self.broken)
         raise error
 
+    def recorded_error(self) -> PurlinError | None:
+        """The error a MoE kernel of this rank recorded (raised at the next check), or None; reads the
+        host-mapped record only, changes nothing, safe from another thread."""
+        found = recorded_error(self._err, self.ctx.config.timeout_s)
+        return found[0] if found is not None else None
+
     # -- small host <-> device moves of the eager exchange ----------------------------------------------
     def _to_device(self, values) -> torch.Tensor:
         """int64 values on the device, copied from pinned memory by a one-block kernel (the previous

@@ -100,6 +100,11 @@ class MoEEngine(Protocol):
         """Wait until this rank's MoE calls are done; raise an error one of them recorded."""
         ...
 
+    def recorded_error(self) -> Optional[Exception]:
+        """The error a kernel recorded that the next check raises, or None; changes nothing, waits for
+        nothing, safe from another thread (the CPU engine: None)."""
+        ...
+
     def trace(self) -> Optional[dict[str, dict[str, int]]]:
         """The phase stamps (ns, the GPU's clock) of this rank's last dispatch and combine, by kind and
         phase (``abi.MOE_TRACE_PHASES``), after waiting for them; None where the engine has no kernel

@@ -343,6 +343,12 @@ class TwoLevel:
         self._check_usable("synchronize")
         self.local.synchronize()
 
+    def pending_error(self):
+        """The node stage's recorded error (Communicator.pending_error); the stages between nodes raise as
+        they run."""
+        local = getattr(self, "local", None)
+        return None if self._closed or local is None else local.pending_error()
+
     @contextlib.contextmanager
     def capture(self):
         """The node stage's capture context (the stages between nodes are NCCL calls on the current

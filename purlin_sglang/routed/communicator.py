@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict
 from datetime import timedelta
@@ -84,6 +85,7 @@ class RoutedCommunicator:
         self._report_every = float(self.config.report_interval_s)
         self._last_report = time.monotonic()
         self._comm: Optional[Communicator] = None
+        self._watch_stop = threading.Event()  # ends the error watch (destroy)
         self.unavailable: Optional[str] = None  # why purlin cannot serve this group at all (then disabled)
         if self.world_size > 1:
             try:
@@ -96,6 +98,9 @@ class RoutedCommunicator:
                 return
             self.device = self._comm.device  # normalized ("cuda" -> "cuda:N")
             self.disabled = False
+            if self._comm.engine_name == "cuda" and self.config.error_watch_s > 0:
+                threading.Thread(target=self._watch_errors, args=(self._comm, self.config.error_watch_s),
+                                 name=f"purlin-watch-{self.name}", daemon=True).start()
             if deterministic:
                 self.routing, notes = for_deterministic_inference(self.routing)
                 if notes and self.rank == 0:
@@ -342,6 +347,18 @@ class RoutedCommunicator:
             finally:
                 self._capture_depth -= 1
 
+    def _watch_errors(self, comm: Communicator, every: float) -> None:
+        """Log the first error a kernel of this rank records, as soon as it appears (a daemon thread; it
+        reads host memory only and ends with :meth:`destroy`)."""
+        while not self._watch_stop.wait(every):
+            try:
+                error = comm.pending_error()
+            except Exception:  # noqa: BLE001 - a communicator closed under the watch: nothing to report
+                return
+            if error is not None:
+                logger.error("purlin[%s]: rank %d: %s: %s", self.name, self.rank, type(error).__name__, error)
+                return
+
     def summary(self) -> str:
         routed = ", ".join(f"{k}={v}" for k, v in sorted(self.routed.items())) or "none"
         fell = ", ".join(f"{op}/{why}={n}" for (op, why), n in sorted(self.fallbacks.items())) or "none"
@@ -360,6 +377,7 @@ class RoutedCommunicator:
         if self._comm is None:
             return
         logger.info("%s", self.summary())
+        self._watch_stop.set()
         comm, self._comm = self._comm, None
         self.disabled = True
         self._warm.clear()

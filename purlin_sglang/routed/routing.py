@@ -102,6 +102,10 @@ class PluginConfig(ConfigModel):
     # Seconds between routing summaries in the log while serving (0: only at destroy, which a killed
     # server never reaches).
     report_interval_s: float = Field(0.0, ge=0)
+    # Seconds between looks at the error a CUDA kernel of this rank recorded (Communicator.pending_error):
+    # logged once, as soon as it appears, also where no later call would raise it (decode graphs replay
+    # no purlin call; the framework may fail elsewhere first). 0: off.
+    error_watch_s: float = Field(0.5, ge=0)
 
     @classmethod
     def from_yaml(cls, path: str | Path, *, flag: str = "config") -> "PluginConfig":
@@ -126,9 +130,12 @@ class PluginConfig(ConfigModel):
             raise PurlinConfigError(f"{source}: expected a mapping, got {type(data).__name__}")
         data = dict(data)
         routing = data.pop("routing", None) or {}
-        report = data.pop("report_interval_s", 0.0)
-        if isinstance(report, bool) or not isinstance(report, (int, float)) or report < 0:
-            raise PurlinConfigError(f"{source}: key 'report_interval_s': need seconds >= 0 (got {report!r})")
+        seconds = {}
+        for key, default in (("report_interval_s", 0.0), ("error_watch_s", 0.5)):
+            v = data.pop(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise PurlinConfigError(f"{source}: key '{key}': need seconds >= 0 (got {v!r})")
+            seconds[key] = float(v)
         purlin = PurlinConfig.from_dict(data, source=source)
         providers.check_for_groups(purlin.memory, source)  # a serving framework's ranks are processes of a group
         try:
@@ -143,4 +150,4 @@ class PluginConfig(ConfigModel):
                 else:
                     lines.append(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})")
             raise PurlinConfigError("; ".join(lines)) from None
-        return cls(purlin=purlin, routing=table, report_interval_s=float(report))
+        return cls(purlin=purlin, routing=table, **seconds)

@@ -47,3 +47,63 @@ def test_config_errors_name_the_callers_flag(tmp_path):
         PluginConfig.from_yaml(bad, flag="--my-flag")
     with pytest.raises(PurlinConfigError, match=r"^config .*bad.yaml"):
         PluginConfig.from_yaml(bad)
+
+
+def test_error_watch_seconds_are_a_plugin_key():
+    assert PluginConfig().error_watch_s == 0.5
+    assert PluginConfig.from_dict({"error_watch_s": 0, "report_interval_s": 3}).error_watch_s == 0.0
+    with pytest.raises(PurlinConfigError, match="key 'error_watch_s': need seconds >= 0"):
+        PluginConfig.from_dict({"error_watch_s": -1})
+
+
+class _Recording:
+    """A communicator whose device records an error at its ``after``-th look (pending_error)."""
+
+    def __init__(self, after):
+        self.after, self.looks = after, 0
+
+    def pending_error(self):
+        from purlin_sglang.errors import PurlinTimeoutError
+
+        self.looks += 1
+        if self.after is None or self.looks < self.after:
+            return None
+        return PurlinTimeoutError("all_reduce: rank 1 waited 20s at op #0 (notify wait) for rank 0", op="all_reduce",
+                                  rank=1, missing=[0])
+
+
+def _watcher():
+    import threading
+
+    rc = routed.RoutedCommunicator.__new__(routed.RoutedCommunicator)
+    rc.name, rc.rank, rc._watch_stop = "tp", 1, threading.Event()
+    return rc
+
+
+def test_the_error_watch_logs_a_recorded_error_once_and_ends(caplog):
+    import threading
+
+    rc, comm = _watcher(), _Recording(after=3)
+    with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
+        t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
+        t.start()
+        t.join(10)
+    assert not t.is_alive() and comm.looks == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["purlin[tp]: rank 1: PurlinTimeoutError: all_reduce: rank 1 waited 20s at op #0 (notify wait) "
+                     "for rank 0"]
+
+
+def test_the_error_watch_ends_when_the_group_is_destroyed():
+    import threading
+
+    rc, comm = _watcher(), _Recording(after=None)
+    t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
+    t.start()
+    time_limit = 10
+    while comm.looks < 2 and time_limit > 0:
+        t.join(0.05)
+        time_limit -= 0.05
+    rc._watch_stop.set()  # what destroy() does
+    t.join(10)
+    assert not t.is_alive() and comm.looks >= 2
