@@ -86,7 +86,8 @@ serve options:
                            fault     TP=2 NCCL-free with purlin (timeout_s 20), eager and with
                                      decode graphs: TP rank 1's scheduler SIGKILLed while decoding;
                                      the server must exit within timeout_s + 15 s, its log naming
-                                     purlin's error, no process left on the GPU (serve_client.py fault)
+                                     purlin's error if it outlived timeout_s, no process left on the
+                                     GPU (serve_client.py fault; SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0)
                            offline   purlin-sglang bench offline --compare nccl,purlin, TP=1 and 2
   --model DIR            the dense model (default configs/models/olmo-dense-8l)
   --prompts N  --output-tokens N  --repeats N

@@ -134,7 +134,10 @@ serve_fault() {
   local cmd=(python3 -m sglang.launch_server --model-path "$SV_MODEL" --load-format dummy --tp-size 2 --port "$port"
              "${SERVE_COMMON[@]}" "${extra[@]}" --mem-fraction-static 0.25 --comm-backend purlin --purlin-config "$cfg"
              --purlin-nccl-free)
+  # SGLang's crash handler waits 60 s for CUDA core dumps before it exits (a debugging aid): off here
+  SV_ENV+=(SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0)
   start_server "$name" "$log" "${cmd[@]}"
+  unset 'SV_ENV[-1]'
   local client=(python3 tools/serve_client.py fault --url "http://127.0.0.1:$port" --log "$log" --pid "$SV_PID"
                 --name "$name" --out "$SV_DIR/$name.json" --tp 2 --victim 1 --cuda-graph "$graph"
                 --timeout-s "$FAULT_TIMEOUT_S" --wait "$SV_WAIT" --command "${cmd[*]}")

@@ -33,7 +33,8 @@ seconds have passed, waits up to ``--settle`` seconds for every process of the s
 (``nvidia-smi``), and records: seconds from the kill to the first failed health check and to the
 server's exit, the log lines that name a purlin error, the processes still holding the GPU, the log's
 tail. ``ok``: the server exited or reported unhealthy within ``--timeout-s`` (purlin's) plus ``--grace``
-seconds of the kill, a log line names a purlin error, and no process is left on the GPU.
+seconds of the kill, a log line names a purlin error where the server outlived purlin's ``timeout_s``
+(a server that exits sooner never lets the survivors' waits expire), and no process is left on the GPU.
 
 ``compare``: reads every RUN.json of a folder and, for each run that names ``--reference``, says whether
 its tokens equal the reference run's; writes ``{"runs": [...]}`` (docs/results format). Its last line
@@ -372,8 +373,12 @@ def cmd_fault(a: argparse.Namespace) -> int:
                           and "INFO" not in ln), None)
         rec["first_error_line"] = first_err
         rec["log_tail"] = [ln[:300] for ln in text[-25:]]
-        first = min(x for x in (unhealthy, exited) if x is not None) if (unhealthy or exited) else None
-        rec["ok"] = bool(first is not None and first <= a.timeout_s + a.grace and errs and not left)
+        first = min(x for x in (unhealthy, exited) if x is not None) if (unhealthy is not None or exited is not None) \
+            else None
+        # purlin's error is due in the log only where the server outlived the survivors' wait (timeout_s)
+        rec["purlin_timeout_reached"] = exited is None or exited >= a.timeout_s
+        named = bool(errs) or not rec["purlin_timeout_reached"]
+        rec["ok"] = bool(first is not None and first <= a.timeout_s + a.grace and named and not left)
     except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
     rec["plugin_log"] = plugin_lines(log)

@@ -188,7 +188,10 @@ def decoding_server(log):
     return srv
 
 
-@pytest.mark.parametrize("delay,says,ok", [(0.5, "purlin", True), (0.5, "gloo", False), (4.0, "purlin", False)])
+# --timeout-s 2: a server that exits after 0.5 s never let purlin's wait expire (no purlin line needed); one
+# that exits after 3 s did (its log must name purlin's error); after 7 s is past timeout_s + grace (3).
+@pytest.mark.parametrize("delay,says,ok", [(3.0, "purlin", True), (3.0, "gloo", False), (0.5, "gloo", True),
+                                           (7.0, "purlin", False)])
 def test_fault_kills_the_victim_scheduler_and_times_the_server_exit(tmp_path, delay, says, ok):
     import subprocess
     import sys
@@ -201,8 +204,8 @@ def test_fault_kills_the_victim_scheduler_and_times_the_server_exit(tmp_path, de
     try:
         time.sleep(0.5)  # its schedulers started
         rc = C.main(["fault", "--url", f"http://127.0.0.1:{srv.server_port}", "--log", str(log), "--pid",
-                     str(main.pid), "--name", "f", "--out", str(tmp_path / "f.json"), "--timeout-s", "1",
-                     "--grace", "1.5", "--limit", "20", "--settle", "1", "--prompts", "4", "--output-tokens", "4"])
+                     str(main.pid), "--name", "f", "--out", str(tmp_path / "f.json"), "--timeout-s", "2",
+                     "--grace", "3", "--limit", "20", "--settle", "1", "--prompts", "4", "--output-tokens", "4"])
     finally:
         srv.shutdown()
         main.kill()
