@@ -62,7 +62,7 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinMoeParams, y), PURLIN_FIELD(PurlinMoeParams, dtype),
     PURLIN_FIELD(PurlinMoeParams, reject), PURLIN_FIELD(PurlinMoeParams, device),
     PURLIN_FIELD(PurlinMoeParams, one_device), PURLIN_FIELD(PurlinMoeParams, trace),
-    PURLIN_FIELD(PurlinMoeParams, direct), PURLIN_FIELD(PurlinMoeParams, ptr_off),
+    PURLIN_FIELD(PurlinMoeParams, one_pass), PURLIN_FIELD(PurlinMoeParams, ptr_off),
     PURLIN_FIELD(PurlinMoeParams, ddone_off), PURLIN_FIELD(PurlinMoeParams, out_ref),
     PURLIN_FIELD(PurlinMoeParams, row_ref),
     // ---- native.h: limits, the dtype and reduce-op tables ----

@@ -57,7 +57,7 @@ class MoeParams(ctypes.Structure):
         "host_error", "x", "ids")] + [(n, _ll) for n in ("ids_bytes", "x_dtype", "quant")] + [(n, _vp) for n in (
         "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
         "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device", "one_device")] + [
-        ("trace", ctypes.c_void_p)] + [(n, _ll) for n in ("direct", "ptr_off", "ddone_off")] + [
+        ("trace", ctypes.c_void_p)] + [(n, _ll) for n in ("one_pass", "ptr_off", "ddone_off")] + [
         (n, _vp) for n in ("out_ref", "row_ref")]
 
 
@@ -104,10 +104,10 @@ MOE_ERROR_CODES = {"TIMEOUT": 1, "OVERFLOW": 2, "BAD_IDS": 3, "MISMATCH": 4, "RE
 MOE_TRACE_WORDS = 8
 MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pad"),
                     "combine": ("start", "put_back", "notify", "wait", "reduce")}
-# The same stamps of the direct mode's kernels (virtual ranks: rows straight into the receivers' outputs).
-MOE_TRACE_PHASES_DIRECT = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad"),
+# The same stamps of the one-pass mode's kernels (virtual ranks: rows straight into the receivers' outputs).
+MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad"),
                            "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
-MOE_PTR_WORDS = 16  # a direct-mode pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
+MOE_PTR_WORDS = 16  # a one-pass pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
 MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)
 
 

@@ -53,7 +53,7 @@ class MoESettings(ConfigModel):
       ``auto`` is GPU scope where every rank's region lies on one GPU (virtual ranks) and system
       scope otherwise; ``system`` always takes system scope, as ranks on several GPUs need (to
       measure what that scope costs on one GPU).
-    * ``direct`` (true): virtual ranks (one process, ``run_virtual``) exchange rows directly: a source
+    * ``one_pass`` (true): virtual ranks (one process, ``run_virtual``) exchange rows directly: a source
       writes each (token, expert) row once into the receiver's output and the combine reads each
       expert output where it lies (no receive slots, no return rows; the MoE region shrinks to a few
       KiB). false: the receive-slot path, which ranks in separate processes always take.
@@ -65,7 +65,7 @@ class MoESettings(ConfigModel):
     max_tokens_per_rank: int = Field(256, ge=1, le=1 << 20)
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
     signal_scope: Literal["auto", "system"] = "auto"
-    direct: bool = True
+    one_pass: bool = True
     trace: bool = False
 
 

@@ -232,10 +232,13 @@ class RecordingEngine:
     def execute(self, sched, ctx) -> None:
         self.calls.append((sched, ctx))
 
+    def recorded_error(self):
+        return PurlinTimeoutError(self.timeout, op="all_reduce", rank=0, missing=[1]) if self.timeout else None
+
     def check(self) -> None:
         if self.timeout:
             self.broken = self.broken or self.timeout
-            raise PurlinTimeoutError(self.timeout, op="all_reduce", rank=0, missing=[1])
+            raise self.recorded_error()
 
     def synchronize(self) -> None:
         self.check()

@@ -27,9 +27,9 @@ servers gave the same greedy tokens. Writes AB.json.
 
 ``fault``: a served fault. Waits for the server, serves a short batch, sends a long greedy batch in the
 background and, once the log shows it decoding, SIGKILLs the scheduler of TP rank ``--victim`` (found
-by its process title, ``sglang::scheduler_TP<rank>``, among the server's session). Then polls the
+by its process title, ``sglang::scheduler_TP<rank>``, among the processes under the server's setsid). Then polls the
 server's ``/health`` and its main process every half second until it has exited or ``--limit``
-seconds have passed, waits up to ``--settle`` seconds for every process of the session to leave the GPU
+seconds have passed, waits up to ``--settle`` seconds for every one of those processes to leave the GPU
 (``nvidia-smi``), and records: seconds from the kill to the first failed health check and to the
 server's exit, the log lines that name a purlin error, the processes still holding the GPU, the log's
 tail. ``ok``: the server exited or reported unhealthy within ``--timeout-s`` (purlin's) plus ``--grace``
@@ -139,6 +139,13 @@ def plugin_lines(log: Path) -> list[str]:
     return lines[-60:]
 
 
+def write_record(out: str, rec: dict, log: Path) -> None:
+    """The run's record with the plugin's log lines, as JSON at ``out``."""
+    rec["plugin_log"] = plugin_lines(log)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rec, indent=1))
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     rec = {"name": a.name, "backend": a.backend, "tp": a.tp, "model": a.model, "cuda_graph": a.cuda_graph,
            "nccl_free": a.nccl_free, "prompts": a.prompts, "output_tokens": a.output_tokens, "seed": a.seed,
@@ -184,9 +191,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         rec["ok"] = rec["all_lengths_ok"]
     except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-    rec["plugin_log"] = plugin_lines(log)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rec, indent=1))
+    write_record(a.out, rec, log)
     print(f"{a.name}: ok={rec['ok']} startup {rec['startup_s']} s, "
           f"{rec.get('output_throughput_tok_s', '-')} output tok/s, distinct {rec.get('distinct_outputs', '-')}"
           f"{'; ' + rec['error'] if 'error' in rec else ''}", flush=True)
@@ -264,9 +269,9 @@ def cmd_ab(a: argparse.Namespace) -> int:
     return 0 if rec["ok"] else 1
 
 
-def session_pids(sid: int) -> dict[int, str]:
-    """The processes of session ``sid`` (the server was started with setsid: its pid is the session), pid ->
-    command line (the process title where SGLang set one)."""
+def group_pids(sid: int) -> dict[int, str]:
+    """The processes started under the server's setsid (``os.getsid`` equal to the server's pid ``sid``),
+    pid -> command line (the process title where SGLang set one)."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -320,11 +325,11 @@ def cmd_fault(a: argparse.Namespace) -> int:
             raise RuntimeError(f"server not ready: {why}")
         texts = prompts(a.prompts, a.seed)
         generate(a.url, texts[:4], 8, a.wait)  # serving works before the fault
-        procs = session_pids(a.pid)
+        procs = group_pids(a.pid)
         victims = [p for p, cmd in procs.items() if re.match(rf"sglang::scheduler_TP{a.victim}(\b|_)", cmd)]
         rec["processes"] = {str(p): c[:120] for p, c in procs.items()}
         if len(victims) != 1:
-            raise RuntimeError(f"found {len(victims)} processes titled scheduler_TP{a.victim} in the server's session")
+            raise RuntimeError(f"found {len(victims)} processes titled scheduler_TP{a.victim} under the server's setsid")
         marks = log.read_text(errors="replace").count("Decode batch")
         reply: dict = {}
 
@@ -357,10 +362,10 @@ def cmd_fault(a: argparse.Namespace) -> int:
             time.sleep(0.5)
         rec["unhealthy_after_s"] = None if unhealthy is None else round(unhealthy, 1)
         rec["exited_after_s"] = None if exited is None else round(exited, 1)
-        mine = set(session_pids(a.pid)) | {a.pid}
+        mine = set(group_pids(a.pid)) | {a.pid}
         t1, left = time.monotonic(), []
         while time.monotonic() - t1 < a.settle:
-            left = [p for p in gpu_pids() if p in mine or p in set(session_pids(a.pid))]
+            left = [p for p in gpu_pids() if p in mine or p in set(group_pids(a.pid))]
             if not left:
                 break
             time.sleep(1.0)
@@ -381,9 +386,7 @@ def cmd_fault(a: argparse.Namespace) -> int:
         rec["ok"] = bool(first is not None and first <= a.timeout_s + a.grace and named and not left)
     except (RuntimeError, OSError, urllib.error.URLError, KeyError, ValueError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-    rec["plugin_log"] = plugin_lines(log)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rec, indent=1))
+    write_record(a.out, rec, log)
     print(f"{a.name}: ok={rec['ok']} killed {rec.get('killed', {}).get('title', '-')}; unhealthy after "
           f"{rec.get('unhealthy_after_s')} s, exited after {rec.get('exited_after_s')} s (timeout_s {a.timeout_s:g}); "
           f"purlin error lines {len(rec.get('purlin_error_lines', []))}; GPU holders after "

@@ -215,7 +215,7 @@ struct DispatchShared {
       int j[MoeConfig::kChunk * MoeConfig::kMaxTopk];  // j of the chunk's slots, -1: skipped
       union {
         int pos[MoeConfig::kChunk * PURLIN_MOE_MAX_RANKS];  // slot of (chunk token, rank) there
-        long long ref[MoeConfig::kChunk * MoeConfig::kMaxTopk];  // direct: receiver << 32 | row, -1: none
+        long long ref[MoeConfig::kChunk * MoeConfig::kMaxTopk];  // one pass: receiver << 32 | row, -1: none
       };
     } route;
     long long rows[MoeConfig::kWarps][MoeConfig::kMaxTopk];  // expand: each warp's rows of its token
@@ -780,7 +780,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   finish(st + kCombExit, st + kCombEpoch, e);
 }
 
-// ---- direct mode ---------------------------------------------------------------------------------------
+// ---- one-pass mode -------------------------------------------------------------------------------------
 // Virtual ranks (one process: every rank's tensors are addressable by every other rank's kernel). No
 // receive slots and no return rows: a source writes each (token, expert) row once, straight into its
 // final row of the receiver's out_x, and the combine reads each expert output where it lies.
@@ -833,7 +833,7 @@ __device__ __forceinline__ int count_of(const PurlinMoeParams& p, long long rank
 
 // Warp 0: j of every slot of tokens [c0, c0 + n) (as route_chunk), turned into the slot's row at its
 // receiver (ref); writes out_valid and out_ref.
-__device__ inline void route_chunk_direct(const PurlinMoeParams& p, DispatchShared& s, int par, long long c0, int n,
+__device__ inline void route_chunk_one_pass(const PurlinMoeParams& p, DispatchShared& s, int par, long long c0, int n,
                                           int lane, long long E) {
   const long long K = p.topk, L = p.local, W = p.world, begin = c0 * K, end = (c0 + n) * K;
   for (long long s0 = begin; s0 < end; s0 += 32) {
@@ -855,7 +855,7 @@ __device__ inline void route_chunk_direct(const PurlinMoeParams& p, DispatchShar
 
 // Warp: units [u0, u1) of chunk token tt (token t) to each of its rows at their receivers, each unit read
 // once; the part at unit 0 also writes the rows' expert, source, slot and scale.
-__device__ inline void put_direct(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
+__device__ inline void put_one_pass(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
                                   long long u0, long long u1, int lane) {
   const long long K = p.topk;
   const long long ref = lane < K ? s.u.route.ref[tt * K + lane] : -1;
@@ -891,7 +891,7 @@ __device__ inline void put_direct(const PurlinMoeParams& p, const DispatchShared
   }
 }
 
-__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_direct_kernel(PurlinMoeParams p) {
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_kernel(PurlinMoeParams p) {
   __shared__ DispatchShared s;
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -940,7 +940,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_direct_kerne
     for (long long c0 = t0; c0 < t1; c0 += MoeConfig::kChunk) {
       const int n = int(min(static_cast<long long>(MoeConfig::kChunk), t1 - c0));
       if (warp == 0) {
-        route_chunk_direct(p, s, par, c0, n, lane, E);
+        route_chunk_one_pass(p, s, par, c0, n, lane, E);
       } else if (p.quant) {
         for (int tt = warp - 1; tt < n; tt += nwarps - 1) {
           const float sc = token_scale(p, c0 + tt, lane);
@@ -952,7 +952,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_direct_kerne
       const long long per = (units + parts - 1) / parts;
       for (int it = warp; it < n * parts; it += nwarps) {
         const int tt = it / parts, part = it % parts;
-        put_direct(p, s, par, tt, c0 + tt, part * per, min(units, (part + 1) * per), lane);
+        put_one_pass(p, s, par, tt, c0 + tt, part * per, min(units, (part + 1) * per), lane);
       }
       __syncthreads();
     }
@@ -996,9 +996,9 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_direct_kerne
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 
-// The direct mode: slot (t, k)'s row lies at row_ref's row of its receiver's expert_out (eo[receiver]).
+// The one-pass mode: slot (t, k)'s row lies at row_ref's row of its receiver's expert_out (eo[receiver]).
 template <class T>
-__device__ inline void reduce_direct(const PurlinMoeParams& p, const long long* eo) {
+__device__ inline void reduce_one_pass(const PurlinMoeParams& p, const long long* eo) {
   const long long K = p.topk;
   reduce_slots<T>(p, [&](long long t, long long k) -> const char* {
     const long long ref = p.valid[t * K + k] ? p.row_ref[t * K + k] : -1;
@@ -1006,7 +1006,7 @@ __device__ inline void reduce_direct(const PurlinMoeParams& p, const long long* 
   });
 }
 
-__global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_direct_kernel(PurlinMoeParams p) {
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kernel(PurlinMoeParams p) {
   __shared__ long long s_e, s_eo[PURLIN_MOE_MAX_RANKS];
   __shared__ int s_flag, s_fail, s_rej;
   long long* st = state(p);
@@ -1048,9 +1048,9 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_direct_kernel
   stamp(p, 1, 2);
   if (!s_fail && !s_rej && !p.reject) {
     switch (p.dtype) {
-      case PURLIN_DTYPE_BFLOAT16: reduce_direct<__nv_bfloat16>(p, s_eo); break;
-      case PURLIN_DTYPE_FLOAT16: reduce_direct<__half>(p, s_eo); break;
-      default: reduce_direct<float>(p, s_eo); break;
+      case PURLIN_DTYPE_BFLOAT16: reduce_one_pass<__nv_bfloat16>(p, s_eo); break;
+      case PURLIN_DTYPE_FLOAT16: reduce_one_pass<__half>(p, s_eo); break;
+      default: reduce_one_pass<float>(p, s_eo); break;
     }
   }
   if (p.trace != nullptr) __syncthreads();

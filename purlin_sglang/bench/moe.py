@@ -79,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
     p.add_argument("--signal-scope", choices=("auto", "system"), default="auto",
                    help="moe.signal_scope of the communicators (system: as ranks on several GPUs signal)")
-    p.add_argument("--direct", choices=("on", "off"), default="on",
-                   help="moe.direct: virtual ranks write rows straight into each other's outputs (on) or take "
+    p.add_argument("--one-pass", choices=("on", "off"), default="on",
+                   help="moe.one_pass: virtual ranks write rows straight into each other's outputs (on) or take "
                         "the receive-slot path of ranks in separate processes (off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="timeout_s of each communicator")
@@ -234,7 +234,7 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         return res
 
     cfg = {"timeout_s": args.timeout, "moe": {"max_tokens_per_rank": max(tokens, 1), "signal_scope": args.signal_scope,
-                                              "direct": args.direct == "on"}}
+                                              "one_pass": args.one_pass == "on"}}
     extra = {}
     if device.type == "cuda" and "reserve_bytes" in inspect.signature(run_virtual).parameters:
         # loopback ranks share one CUDA context: a rank's cudaMalloc while peers' kernels wait for it
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
                                           f"{'' if r['correct'] else ' WRONG'}" for r in new) + "\n")
     settings = {k: getattr(args, k) for k in ("device", "tokens", "hidden", "topk", "experts", "world", "dtypes",
                                               "mode", "capacity", "drop_every", "iters", "warmup", "graph_calls",
-                                              "seed", "timeout", "signal_scope", "direct")}
+                                              "seed", "timeout", "signal_scope", "one_pass")}
     settings["timing"] = ("per iteration the slowest rank; CUDA events on each rank's stream (graph: one replay "
                           "of graph_calls calls / graph_calls) or time.perf_counter (CPU); pair = dispatch then "
                           "combine, no expert work; torch-ref = all_gather + index + stand-in experts + "

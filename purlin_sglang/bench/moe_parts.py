@@ -106,7 +106,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
 
     rows = experts * capacity  # expert rows per rank: E/W local experts x W sources x capacity
     reserve = int(rows * args.hidden * 2 * (2 * args.calls + 4) + (512 << 20))
-    moe = {"max_tokens_per_rank": max(tokens, 1), "trace": args.phases > 0, "direct": args.direct == "on"}
+    moe = {"max_tokens_per_rank": max(tokens, 1), "trace": args.phases > 0, "one_pass": args.one_pass == "on"}
     ranks = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0, "moe": moe}, reserve_bytes=reserve)
     per_rank = [r[0] for r in ranks]
     res = {"tokens": tokens, "dtype": dtype, "capacity": capacity, "world": world}
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="also write the torch profiler's kernel table")
-    p.add_argument("--direct", choices=("on", "off"), default="on",
-                   help="moe.direct (on: rows straight into the receivers' outputs; off: the receive-slot path)")
+    p.add_argument("--one-pass", choices=("on", "off"), default="on",
+                   help="moe.one_pass (on: rows straight into the receivers' outputs; off: the receive-slot path)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
     p.add_argument("--verbose", action="store_true", help="print each rank's capture and replays as they begin")

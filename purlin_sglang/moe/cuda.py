@@ -5,7 +5,7 @@ count words, wait, expand) over the caller's x and topk ids as they are. Combine
 combine kernel (put back, done words, wait, weighted reduce). Nothing blocks the host in graph
 mode; every wait is bounded by ``timeout_s``.
 
-Virtual ranks (one process) take the direct mode by default (``moe.direct``; moe_kernel.cuh, "direct
+Virtual ranks (one process) take the one-pass mode by default (``moe.one_pass``; moe_kernel.cuh, "one-pass
 mode"): a source writes each (token, expert) row once, straight into the receiver's ``x`` (and its
 expert, source, slot and scale), and the combine reads each expert output where it lies and reduces
 it; ``out_ref`` ([T, K], receiver << 32 | row) carries each slot's row from the dispatch to its
@@ -103,24 +103,24 @@ class _State:
 
     def __init__(self, valid, src, slot, rows, cap, index, ref=None):
         self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
-        self.ref = ref  # direct mode: [T, K] receiver << 32 | row there (-1: none)
+        self.ref = ref  # one-pass mode: [T, K] receiver << 32 | row there (-1: none)
 
 
 
-def trace_stamps(words, direct: bool = False) -> dict[str, dict[str, int]]:
+def trace_stamps(words, one_pass: bool = False) -> dict[str, dict[str, int]]:
     """The kernels' trace words (``2 * MOE_TRACE_WORDS``, rows dispatch and combine) by kind and phase
-    name (the direct mode's kernels have their own phases); a phase not stamped yet (0) is left out."""
+    name (the one-pass mode's kernels have their own phases); a phase not stamped yet (0) is left out."""
     out = {}
-    table = native.MOE_TRACE_PHASES_DIRECT if direct else native.MOE_TRACE_PHASES
+    table = native.MOE_TRACE_PHASES_ONE_PASS if one_pass else native.MOE_TRACE_PHASES
     for row, (kind, phases) in enumerate(table.items()):
         base = row * native.MOE_TRACE_WORDS
         out[kind] = {name: int(words[base + i]) for i, name in enumerate(phases) if words[base + i]}
     return out
 
-def direct_mode(ctx: MoEContext) -> bool:
-    """Whether the kernels take the direct mode: virtual ranks (one process, every rank's tensors
-    addressable) and ``moe.direct`` on."""
-    return ctx.group is None and ctx.config.moe.direct
+def one_pass_mode(ctx: MoEContext) -> bool:
+    """Whether the kernels take the one-pass mode: virtual ranks (one process, every rank's tensors
+    addressable) and ``moe.one_pass`` on."""
+    return ctx.group is None and ctx.config.moe.one_pass
 
 
 def signals_at_gpu_scope(ctx: MoEContext) -> bool:
@@ -147,7 +147,7 @@ class CudaMoE:
                                          f"{sms} SMs ({per_sm} MoE block(s) per SM)")
         self.blocks = min(MAX_BLOCKS, slots)
         self.one_device = signals_at_gpu_scope(ctx)
-        self.direct = direct_mode(ctx)
+        self.one_pass = one_pass_mode(ctx)
         self.layout: MoELayout | None = None
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
@@ -185,7 +185,7 @@ class CudaMoE:
                                          "captured; run the call once outside the CUDA graph capture (warm-up)")
         ctx = self.ctx
         layout = MoELayout(self.world, self.settings.max_tokens_per_rank, topk, payload_bytes, ret_bytes,
-                           direct=self.direct)
+                           one_pass=self.one_pass)
         if ctx.shared_regions is not None:
             self.region = ctx.shared_regions.get(layout, self.device)
         else:
@@ -214,7 +214,7 @@ class CudaMoE:
         p.device = self.device_index  # made current by the library before the launch
         p.one_device = int(self.one_device)
         p.trace = self._trace.data_ptr() if self._trace is not None else None
-        p.direct, p.ptr_off, p.ddone_off = int(layout.direct), layout.ptr_off, layout.ddone_off
+        p.one_pass, p.ptr_off, p.ddone_off = int(layout.one_pass), layout.ptr_off, layout.ddone_off
         return p
 
     def _launch(self, fn, p, op: str) -> None:
@@ -289,7 +289,7 @@ class CudaMoE:
             return None
         if self._stream is not None:
             self._stream.synchronize()
-        return trace_stamps(self._trace.tolist(), self.direct)
+        return trace_stamps(self._trace.tolist(), self.one_pass)
 
     # -- calls -----------------------------------------------------------------------------------------
     def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> int:
@@ -354,7 +354,7 @@ class CudaMoE:
         out_counts = torch.empty(local, dtype=torch.int32, device=dev)
         out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if fp8 else None
         valid = torch.empty(t_n, k_n, dtype=torch.bool, device=dev)
-        ref = torch.empty(t_n, k_n, dtype=torch.int64, device=dev) if layout.direct else None
+        ref = torch.empty(t_n, k_n, dtype=torch.int64, device=dev) if layout.one_pass else None
         p = self._params(layout)
         p.local, p.topk, p.tokens, p.capacity = local, k_n, t_n, cap
         p.payload_bytes, p.hdr_bytes = payload_bytes, header_bytes(k_n)

@@ -12,7 +12,7 @@ virtual rank). Per rank, in bytes (M = moe.max_tokens_per_rank, W ranks, K top-k
 * ``recv[2][W][M]`` slots of ``hdr + payload``: ``hdr = align16(4 * (2K + 2))`` (token index, local
   expert and j per k, fp8 scale), ``payload = H * element size``. Each token arrives once per rank.
 * ``ret[2][M * K]`` rows of ``H * element size``: the source's return slots for the combine.
-* direct mode (virtual ranks, ``moe.direct``): no ``recv`` and no ``ret``; instead ``ptr[2 parities]``
+* one-pass mode (virtual ranks, ``moe.one_pass``): no ``recv`` and no ``ret``; instead ``ptr[2 parities]``
   (``PURLIN_MOE_PTR_WORDS`` words: the call's output pointers and capacity, the combine's expert_out
   and its epoch word) and ``ddone[W]`` (8 each: the dispatch's "rows delivered" words). A few KiB.
 
@@ -20,7 +20,7 @@ Both halves (parity = epoch & 1) make back-to-back dispatches (or combines) safe
 acknowledgement: a producer writes parity p again two calls later, after it saw, in the call
 between, its consumer's word of that call, which the consumer writes only after it finished the
 call that read parity p. Footprint: ``2*W*M*(hdr + H*e_d) + 2*M*K*H*e_x`` plus a few KiB; at
-M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in direct mode 8 KiB.
+M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in one-pass mode 8 KiB.
 
 Virtual ranks on one GPU share one allocation (:class:`SharedRegions`, which the virtual world
 holds and the MoE context hands the CUDA part); a process group's rank gets its own from the
@@ -53,7 +53,7 @@ class MoELayout:
     topk: int  # K the region was sized for (calls may use fewer)
     payload_bytes: int  # largest dispatch row (H * element size)
     ret_bytes: int  # largest combine row
-    direct: bool = False  # direct mode: no receive slots, no return rows (virtual ranks)
+    one_pass: bool = False  # one-pass mode: no receive slots, no return rows (virtual ranks)
 
     @property
     def state_off(self) -> int:
@@ -85,7 +85,7 @@ class MoELayout:
 
     @property
     def recv_parity_bytes(self) -> int:
-        if self.direct:
+        if self.one_pass:
             return 0
         return self.world * self.max_tokens * (header_bytes(self.topk) + _align(self.payload_bytes, 16))
 
@@ -95,7 +95,7 @@ class MoELayout:
 
     @property
     def ret_parity_bytes(self) -> int:
-        return 0 if self.direct else self.max_tokens * self.topk * _align(self.ret_bytes, 16)
+        return 0 if self.one_pass else self.max_tokens * self.topk * _align(self.ret_bytes, 16)
 
     @property
     def rank_bytes(self) -> int:
@@ -103,7 +103,7 @@ class MoELayout:
 
     def fits(self, topk: int, payload_bytes: int, ret_bytes: int | None = None) -> bool:
         """Whether a call with these rows fits (fewer top-k, smaller rows: yes)."""
-        if self.direct:  # rows go straight into the callers' tensors: any row size
+        if self.one_pass:  # rows go straight into the callers' tensors: any row size
             return topk <= self.topk
         recv = self.world * self.max_tokens * (header_bytes(topk) + payload_bytes)
         ok = topk <= self.topk and recv <= self.recv_parity_bytes

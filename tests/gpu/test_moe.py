@@ -20,11 +20,11 @@ CFG = {"staging_bytes": 1 << 20, "timeout_s": 10, "moe": {"max_tokens_per_rank":
 H = 64
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["direct", "slots"])
+@pytest.fixture(autouse=True, params=[True, False], ids=["one_pass", "slots"])
 def _mode(request, monkeypatch):
-    """Every test in both modes of virtual ranks: rows straight into the receivers' outputs (moe.direct, the
+    """Every test in both modes of virtual ranks: rows straight into the receivers' outputs (moe.one_pass, the
     default) and the receive-slot path that ranks in separate processes take."""
-    monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "direct": request.param})
+    monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "one_pass": request.param})
 
 
 def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):

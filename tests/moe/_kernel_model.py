@@ -2,9 +2,9 @@
 
 It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/moe/cuda.py) and
 follows the kernels step by step (put rows, count words, wait, expand, padding; put back, done
-words, wait, reduce; and the direct mode's steps) over raw addresses of CPU tensors, so the engine's glue (parameters, layout,
-modes, errors) and the protocol are checked without a GPU. Each rank's "kernel" runs in its
-rank's thread; waits spin with a timeout like the device's.
+words, wait, reduce; and the one-pass mode's steps) over raw addresses of CPU tensors, so the
+engine's glue (parameters, layout, modes, errors) and the protocol are checked without a GPU. Each
+rank's "kernel" runs in its rank's thread; waits spin with a timeout like the device's.
 """
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ class FakeMoELib:
             i64(self._cw(p, d, par, p.rank))[0] = e
 
     @staticmethod
-    def _ptr(p, rank, par):  # the direct mode's pointer block (PURLIN_MOE_PTR_WORDS words)
+    def _ptr(p, rank, par):  # the one-pass mode's pointer block (PURLIN_MOE_PTR_WORDS words)
         return i64(p.bases[rank] + p.ptr_off + par * PTR_WORDS * 8, PTR_WORDS)
 
     # -- dispatch -------------------------------------------------------------------------------------
     def moe_dispatch(self, pref, stream):
         p = pref._obj
-        if p.direct:
-            return self._dispatch_direct(p)
+        if p.one_pass:
+            return self._dispatch_one_pass(p)
         self.launches.append(("dispatch", p.blocks))
         w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
         st = i64(p.bases[me] + p.state_off, 16)
@@ -199,9 +199,9 @@ class FakeMoELib:
             x = q.view(torch.uint8).reshape(-1)
         return x.contiguous().numpy(), scales
 
-    def _dispatch_direct(self, p):
-        """The direct mode (moe_kernel.cuh): rows straight into each receiver's outputs."""
-        self.launches.append(("dispatch-direct", p.blocks))
+    def _dispatch_one_pass(self, p):
+        """The one-pass mode (moe_kernel.cuh): rows straight into each receiver's outputs."""
+        self.launches.append(("dispatch-one-pass", p.blocks))
         w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
         st = i64(p.bases[me] + p.state_off, 16)
         e = int(st[K_DISP_EPOCH]) + 1
@@ -268,8 +268,8 @@ class FakeMoELib:
         st[K_DISP_EPOCH] = e
         return 0
 
-    def _combine_direct(self, p):
-        self.launches.append(("combine-direct", p.blocks))
+    def _combine_one_pass(self, p):
+        self.launches.append(("combine-one-pass", p.blocks))
         w_, k_, me = p.world, p.topk, p.rank
         st = i64(p.bases[me] + p.state_off, 16)
         e = int(st[K_COMB_EPOCH]) + 1
@@ -312,8 +312,8 @@ class FakeMoELib:
     # -- combine --------------------------------------------------------------------------------------
     def moe_combine(self, pref, stream):
         p = pref._obj
-        if p.direct:
-            return self._combine_direct(p)
+        if p.one_pass:
+            return self._combine_one_pass(p)
         self.launches.append(("combine", p.blocks))
         w_, k_, me = p.world, p.topk, p.rank
         st = i64(p.bases[me] + p.state_off, 16)

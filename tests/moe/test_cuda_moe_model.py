@@ -55,7 +55,7 @@ def _moe(ctx, lib):
     m = CudaMoE.__new__(CudaMoE)
     m.ctx, m.lib, m.device, m.world, m.rank = ctx, lib, ctx.device, ctx.world, ctx.rank
     m.settings, m.blocks, m.one_device, m._trace = ctx.config.moe, 16, True, None
-    m.direct = cuda_moe.direct_mode(ctx)
+    m.one_pass = cuda_moe.one_pass_mode(ctx)
     m.layout = m.region = m._own_region = None
     m._host_error = torch.zeros(16, dtype=torch.int64)
     m._err = m._host_error.numpy()
@@ -66,13 +66,13 @@ def _moe(ctx, lib):
     return m
 
 
-@pytest.fixture(params=[True, False], ids=["direct", "slots"])
+@pytest.fixture(params=[True, False], ids=["one_pass", "slots"])
 def world_of(monkeypatch, request):
-    """Virtual ranks over the kernel model, in the direct mode and on the receive-slot path."""
+    """Virtual ranks over the kernel model, in the one-pass mode and on the receive-slot path."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
 
     def run(world, fn, max_tokens=16):
-        cfg = ps.PurlinConfig(timeout_s=5, moe={"max_tokens_per_rank": max_tokens, "direct": request.param})
+        cfg = ps.PurlinConfig(timeout_s=5, moe={"max_tokens_per_rank": max_tokens, "one_pass": request.param})
         lib, group, regions = FakeMoELib(5.0), _Group(world), SharedRegions()
         moes = [_moe(_context(r, world, group, regions, cfg), lib) for r in range(world)]
         out, errs = [None] * world, [None] * world
@@ -91,7 +91,7 @@ def world_of(monkeypatch, request):
             if e is not None:
                 raise e
         return out, lib
-    run.direct = request.param
+    run.one_pass = request.param
     return run
 
 
@@ -114,7 +114,7 @@ def test_eager_exact(world_of, world, experts, topk, dtype):
     check_results(res, xs, ids, ws, experts)
     assert {b for _, b in lib.launches} == {16}
     kinds = {k for k, _ in lib.launches}  # the mode the fixture asked for, and only it
-    assert kinds == ({"dispatch-direct", "combine-direct"} if world_of.direct else {"dispatch", "combine"})
+    assert kinds == ({"dispatch-one-pass", "combine-one-pass"} if world_of.one_pass else {"dispatch", "combine"})
 
 
 @pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])

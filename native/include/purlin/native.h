@@ -150,7 +150,7 @@ PURLIN_API int purlin_snac_occupancy(int device, int* blocks_per_sm, int* sm_cou
 #define PURLIN_MOE_MAX_RANKS 64
 #define PURLIN_MOE_MAX_EXPERTS 4096  // count matrix [world][local] kept in shared memory
 #define PURLIN_MOE_ERROR_WORDS 16
-#define PURLIN_MOE_PTR_WORDS 16  // a pointer block (direct mode): 8 dispatch words, 8 combine words
+#define PURLIN_MOE_PTR_WORDS 16  // a pointer block (one-pass mode): 8 dispatch words, 8 combine words
 #define PURLIN_MOE_TRACE_WORDS 8  // phase stamps per kind (dispatch, combine) in PurlinMoeParams.trace
 
 typedef struct PurlinMoeParams {
@@ -196,14 +196,14 @@ typedef struct PurlinMoeParams {
   long long* trace;                    // or null: [2][PURLIN_MOE_TRACE_WORDS] globaltimer stamps (ns) of the
                                        // last dispatch (row 0) and combine (row 1), block 0 at the end of
                                        // each phase (moe_kernel.cuh), device-writable (ABI 12)
-  // Direct mode (ABI 13): every rank's outputs are addressable here (virtual ranks: one process). A source
+  // One-pass mode (ABI 13): every rank's outputs are addressable here (virtual ranks: one process). A source
   // writes each (token, expert) row straight into the receiver's out_x and the combine reads each expert
-  // output where it lies; no receive slots, no return rows (moe_kernel.cuh, "direct mode").
-  long long direct;                    // 1: direct mode (every rank of the world alike), 0: receive slots
-  long long ptr_off;                   // pointer blocks [2 parities] x PURLIN_MOE_PTR_WORDS words (direct)
-  long long ddone_off;                 // dispatch delivered words [world producers] (8 bytes each; direct)
-  long long* out_ref;                  // dispatch, direct: [T, K] (receiver << 32 | row there), -1: none
-  const long long* row_ref;            // combine, direct: the dispatch's out_ref
+  // output where it lies; no receive slots, no return rows (moe_kernel.cuh, "one-pass mode").
+  long long one_pass;                  // 1: one-pass mode (every rank of the world alike), 0: receive slots
+  long long ptr_off;                   // pointer blocks [2 parities] x PURLIN_MOE_PTR_WORDS words (one pass)
+  long long ddone_off;                 // dispatch delivered words [world producers] (8 bytes each; one pass)
+  long long* out_ref;                  // dispatch, one pass: [T, K] (receiver << 32 | row there), -1: none
+  const long long* row_ref;            // combine, one pass: the dispatch's out_ref
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
