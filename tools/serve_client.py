@@ -329,7 +329,8 @@ def cmd_fault(a: argparse.Namespace) -> int:
         victims = [p for p, cmd in procs.items() if re.match(rf"sglang::scheduler_TP{a.victim}(\b|_)", cmd)]
         rec["processes"] = {str(p): c[:120] for p, c in procs.items()}
         if len(victims) != 1:
-            raise RuntimeError(f"found {len(victims)} processes titled scheduler_TP{a.victim} under the server's setsid")
+            raise RuntimeError(f"found {len(victims)} processes titled scheduler_TP{a.victim} under the server's "
+                               "setsid")
         marks = log.read_text(errors="replace").count("Decode batch")
         reply: dict = {}
 
