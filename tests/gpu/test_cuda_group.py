@@ -130,13 +130,17 @@ def _timeout_worker(rank, world, memory, timeout):
     x = torch.ones(1000, device=comm.device)
     comm.all_reduce(x)
     t0 = time.monotonic()
-    outcome = "ok"
+    outcome, pending = "ok", None
     try:
         if rank == 0:  # rank 1 skips the second call
             comm.all_reduce(x)
+            while pending is None and time.monotonic() - t0 < timeout + 10:  # what the plugin's watch reads
+                pending = comm.pending_error()
+                time.sleep(0.05)
         comm.synchronize()
     except PurlinTimeoutError as e:
-        outcome = ("timeout", str(e), e.rank, tuple(e.missing))
+        outcome = ("timeout", str(e), e.rank, tuple(e.missing), str(pending) if pending is not None else None,
+                   time.monotonic() - t0)
     elapsed = time.monotonic() - t0
     import torch.distributed as dist
 
@@ -235,9 +239,10 @@ def test_skipped_call_times_out_naming_the_peer_then_a_new_communicator_works():
     (out0, elapsed0, again0), (out1, _, again1) = res
     assert out1 == "ok", out1
     assert out0[0] == "timeout", out0
-    _, msg, rank, missing = out0
+    _, msg, rank, missing, pending, _ = out0
     assert msg.startswith("all_reduce: rank 0 waited") and "rank 1" in msg, msg
     assert rank == 0 and missing == (1,), out0
+    assert pending == msg  # pending_error(), read while the call was outstanding, is what synchronize raised
     assert elapsed0 < timeout + 5, elapsed0
     assert again0 == again1 == [3.0] * 8
 
