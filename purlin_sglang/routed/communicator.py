@@ -348,16 +348,19 @@ class RoutedCommunicator:
                 self._capture_depth -= 1
 
     def _watch_errors(self, comm: Communicator, every: float) -> None:
-        """Log the first error a kernel of this rank records, as soon as it appears (a daemon thread; it
-        reads host memory only and ends with :meth:`destroy`)."""
+        """Log each error a kernel of this rank records, once, as soon as it appears (a daemon thread; it
+        reads host memory only and ends with :meth:`destroy`). A non-fatal one (a MoE capacity overflow)
+        is cleared when a call raises it, so a later error is logged too."""
+        last = None
         while not self._watch_stop.wait(every):
             try:
                 error = comm.pending_error()
             except Exception:  # noqa: BLE001 - a communicator closed under the watch: nothing to report
                 return
-            if error is not None:
-                logger.error("purlin[%s]: rank %d: %s: %s", self.name, self.rank, type(error).__name__, error)
-                return
+            text = None if error is None else f"{type(error).__name__}: {error}"
+            if text is not None and text != last:
+                logger.error("purlin[%s]: rank %d: %s", self.name, self.rank, text)
+            last = text
 
     def summary(self) -> str:
         routed = ", ".join(f"{k}={v}" for k, v in sorted(self.routed.items())) or "none"

@@ -103,7 +103,7 @@ class PluginConfig(ConfigModel):
     # server never reaches).
     report_interval_s: float = Field(0.0, ge=0)
     # Seconds between looks at the error a CUDA kernel of this rank recorded (Communicator.pending_error):
-    # logged once, as soon as it appears, also where no later call would raise it (decode graphs replay
+    # each logged once, as soon as it appears, also where no later call would raise it (decode graphs replay
     # no purlin call; the framework may fail elsewhere first). 0: off.
     error_watch_s: float = Field(0.5, ge=0)
 

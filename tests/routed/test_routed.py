@@ -80,15 +80,18 @@ def _watcher():
     return rc
 
 
-def test_the_error_watch_logs_a_recorded_error_once_and_ends(caplog):
+def test_the_error_watch_logs_each_recorded_error_once(caplog):
     import threading
 
     rc, comm = _watcher(), _Recording(after=3)
     with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
         t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
         t.start()
+        while comm.looks < 10:  # the same record seen again and again: logged once
+            t.join(0.02)
+        rc._watch_stop.set()
         t.join(10)
-    assert not t.is_alive() and comm.looks == 3
+    assert not t.is_alive()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["purlin[tp]: rank 1: PurlinTimeoutError: all_reduce: rank 1 waited 20s at op #0 (notify wait) "
                      "for rank 0"]
@@ -107,3 +110,33 @@ def test_the_error_watch_ends_when_the_group_is_destroyed():
     rc._watch_stop.set()  # what destroy() does
     t.join(10)
     assert not t.is_alive() and comm.looks >= 2
+
+
+def test_the_error_watch_logs_a_later_error_after_one_was_cleared(caplog):
+    import threading
+
+    from purlin_sglang.errors import PurlinCapacityError, PurlinTimeoutError
+
+    overflow = PurlinCapacityError("moe_dispatch: rank 0 routed 9 rows to expert 3, more than capacity=8", rank=0,
+                                   expert=3, count=9, capacity=8)
+    timeout = PurlinTimeoutError("moe_combine: rank 1 waited 20s for rank 0's done word", op="moe_combine", rank=1,
+                                 missing=[0])
+    seen = [None, overflow, overflow, None, timeout]  # the overflow raised (cleared) by a call, then a timeout
+
+    class Sequence:
+        looks = 0
+
+        def pending_error(self):
+            self.looks += 1
+            return seen[min(self.looks, len(seen)) - 1]
+
+    rc, comm = _watcher(), Sequence()
+    with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
+        t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
+        t.start()
+        while comm.looks < 12:
+            t.join(0.02)
+        rc._watch_stop.set()
+        t.join(10)
+    assert [r.getMessage().split(": ", 2)[2].split(":")[0] for r in caplog.records] == [
+        "PurlinCapacityError", "PurlinTimeoutError"]
