@@ -139,6 +139,14 @@ def plugin_lines(log: Path) -> list[str]:
     return lines[-60:]
 
 
+def await_server(log: Path, pid: int, limit: float, rec: dict) -> None:
+    """Wait until the server is ready (wait_ready), recording ``startup_s``; RuntimeError if it is not."""
+    ready, secs, why = wait_ready(log, pid, limit)
+    rec["startup_s"] = round(secs, 1)
+    if not ready:
+        raise RuntimeError(f"server not ready: {why}")
+
+
 def write_record(out: str, rec: dict, log: Path) -> None:
     """The run's record with the plugin's log lines, as JSON at ``out``."""
     rec["plugin_log"] = plugin_lines(log)
@@ -151,11 +159,8 @@ def cmd_run(a: argparse.Namespace) -> int:
            "nccl_free": a.nccl_free, "prompts": a.prompts, "output_tokens": a.output_tokens, "seed": a.seed,
            "repeats": a.repeats, "reference": a.reference or None, "command": a.command, "ok": False}
     log = Path(a.log)
-    ready, secs, why = wait_ready(log, a.pid, a.wait)
-    rec["startup_s"] = round(secs, 1)
     try:
-        if not ready:
-            raise RuntimeError(f"server not ready: {why}")
+        await_server(log, a.pid, a.wait, rec)
         url, texts = a.url, prompts(a.prompts, a.seed)
         ids0, _, warm_s = generate(url, texts, a.output_tokens, a.timeout)
         rec["warmup_batch_s"] = round(warm_s, 3)
@@ -318,11 +323,8 @@ def cmd_fault(a: argparse.Namespace) -> int:
     rec = {"name": a.name, "tp": a.tp, "victim": a.victim, "cuda_graph": a.cuda_graph, "timeout_s": a.timeout_s,
            "grace_s": a.grace, "command": a.command, "ok": False}
     log = Path(a.log)
-    ready, secs, why = wait_ready(log, a.pid, a.wait)
-    rec["startup_s"] = round(secs, 1)
     try:
-        if not ready:
-            raise RuntimeError(f"server not ready: {why}")
+        await_server(log, a.pid, a.wait, rec)
         texts = prompts(a.prompts, a.seed)
         generate(a.url, texts[:4], 8, a.wait)  # serving works before the fault
         procs = group_pids(a.pid)

@@ -131,8 +131,8 @@ class PluginConfig(ConfigModel):
         data = dict(data)
         routing = data.pop("routing", None) or {}
         seconds = {}
-        for key, default in (("report_interval_s", 0.0), ("error_watch_s", 0.5)):
-            v = data.pop(key, default)
+        for key in ("report_interval_s", "error_watch_s"):
+            v = data.pop(key, cls.model_fields[key].default)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise PurlinConfigError(f"{source}: key '{key}': need seconds >= 0 (got {v!r})")
             seconds[key] = float(v)

@@ -106,26 +106,78 @@ class FakeMoELib:
     def _ptr(p, rank, par):  # the one-pass mode's pointer block (PURLIN_MOE_PTR_WORDS words)
         return i64(p.bases[rank] + p.ptr_off + par * PTR_WORDS * 8, PTR_WORDS)
 
+    @staticmethod
+    def _begin(p, epoch_word):
+        """A kernel's start: (state words, this call's epoch, parity), or None where an earlier error ended
+        this rank's kernels (then the epoch is spent at once)."""
+        st = i64(p.bases[p.rank] + p.state_off, 16)
+        e = int(st[epoch_word]) + 1
+        if st[K_FATAL]:
+            st[epoch_word] = e
+            return None
+        return st, e, e & 1
+
+    @staticmethod
+    def _route(p):
+        """The kernel's route step, in torch: my ids and their routing; writes out_valid."""
+        t_n, k_ = p.tokens, p.topk
+        ids = (i32 if p.ids_bytes == 4 else i64)(p.ids, t_n * k_).astype(np.int64) if t_n else np.zeros(0, np.int64)
+        r = route(torch.from_numpy(ids).view(t_n, k_), p.local * p.world, p.world)
+        if t_n:
+            i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
+        return ids, r
+
+    def _shapes_agree(self, p, par, e):
+        """Every producer's count word names my rows' shape; a MISMATCH (fatal) is recorded where not."""
+        for q in range(p.world):
+            seen = int(i64(self._cw(p, p.rank, par, q), 3)[2])
+            if seen != self._meta(p):
+                self._record(p, 4, 0, q, -1, seen, self._meta(p), e, 0, True)
+                return False
+        return True
+
+    def _receive_counts(self, p, cnt, ids, e):
+        """cnt[q, le]: rows producer q routed to my expert le. Records an overflow and ids out of range,
+        writes out_counts; returns the valid rows per local expert."""
+        cap, l_ = p.capacity, p.local
+        tot = np.minimum(cnt, cap).sum(0)
+        over = np.argwhere(cnt > cap)
+        if len(over):
+            q, c = (int(v) for v in over[0])
+            self._record(p, 2, 0, q, p.rank * l_ + c, int(cnt[q, c]), cap, e, 0, False)
+        n_bad = int(((ids < -1) | (ids >= l_ * p.world)).sum())
+        if n_bad > 0:
+            self._record(p, 3, 0, -1, -1, n_bad, 0, e, 0, False)
+        i32(p.out_counts, l_)[:] = tot
+        return tot
+
+    @staticmethod
+    def _pad(p, tot):
+        """Rows past each group's valid rows: expert, source and slot -1, scale 1."""
+        group = p.world * p.capacity
+        rows = p.local * group
+        out_expert, out_src, out_slot = i32(p.out_expert, rows), i32(p.out_src, rows), i64(p.out_slot, rows)
+        out_scales = f32(p.out_scales, rows) if p.out_scales else None
+        for r in range(rows):
+            if r % group >= tot[r // group]:
+                out_expert[r] = out_src[r] = out_slot[r] = -1
+                if out_scales is not None:
+                    out_scales[r] = 1.0
+
     # -- dispatch -------------------------------------------------------------------------------------
     def moe_dispatch(self, pref, stream):
         p = pref._obj
         if p.one_pass:
             return self._dispatch_one_pass(p)
         self.launches.append(("dispatch", p.blocks))
-        w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
-        st = i64(p.bases[me] + p.state_off, 16)
-        e = int(st[K_DISP_EPOCH]) + 1
-        par = e & 1
-        if st[K_FATAL]:
-            st[K_DISP_EPOCH] = e
+        w_, k_, l_, cap, me, t_n = p.world, p.topk, p.local, p.capacity, p.rank, p.tokens
+        begun = self._begin(p, K_DISP_EPOCH)
+        if begun is None:
             return 0
-        t_n = p.tokens
-        ids = (i32 if p.ids_bytes == 4 else i64)(p.ids, t_n * k_).astype(np.int64) if t_n else np.zeros(0, np.int64)
-        r = route(torch.from_numpy(ids).view(t_n, k_), l_ * w_, w_)  # the kernel's route step, in torch
+        st, e, par = begun
+        ids, r = self._route(p)
         dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
         send_pos = send_positions(r.to_rank).reshape(-1).numpy()
-        if t_n:
-            i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
         x, scales = self._wire_rows(p, t_n)
         for it in range(t_n * w_):
             t, d = it // w_, (it % w_ + me + 1) % w_
@@ -141,26 +193,13 @@ class FakeMoELib:
                 h[1 + k] = le[t * k_ + k] if mine else -1
                 h[1 + k_ + k] = j[t * k_ + k] if mine else -1
             ctypes.memmove(slot + p.hdr_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
-        n_bad = int(((ids < -1) | (ids >= l_ * w_)).sum())
         self._count_words_out(p, r, par, e)
-        ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) for q in range(w_))
-        if ok:
-            for q in range(w_):
-                if i64(self._cw(p, me, par, q), 3)[2] != self._meta(p):
-                    self._record(p, 4, 0, q, -1, int(i64(self._cw(p, me, par, q), 3)[2]), self._meta(p), e, 0, True)
-                    ok = False
+        ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) for q in range(w_)) and self._shapes_agree(p, par, e)
         if ok:
             cnt = np.stack([i32(self._cw(p, me, par, q) + 24, l_) for q in range(w_)]).astype(np.int64)
             ntok = [int(i64(self._cw(p, me, par, q), 2)[1]) for q in range(w_)]
             off = np.cumsum(np.minimum(cnt, cap), 0) - np.minimum(cnt, cap)
-            tot = off[w_ - 1] + np.minimum(cnt[w_ - 1], cap)
-            over = np.argwhere(cnt > cap)
-            if len(over):
-                q, c = (int(v) for v in over[0])
-                self._record(p, 2, 0, q, me * l_ + c, int(cnt[q, c]), cap, e, 0, False)
-            if n_bad > 0:
-                self._record(p, 3, 0, -1, -1, n_bad, 0, e, 0, False)
-            i32(p.out_counts, l_)[:] = tot
+            tot = self._receive_counts(p, cnt, ids, e)
             recv = p.bases[me] + p.recv_off + par * p.recv_parity_bytes
             rows = l_ * w_ * cap
             out_expert, out_src = i32(p.out_expert, rows), i32(p.out_src, rows)
@@ -179,12 +218,7 @@ class FakeMoELib:
                         out_expert[row], out_src[row], out_slot[row] = lev, q, int(h[0]) * k_ + k
                         if out_scales is not None:
                             out_scales[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
-            for r in range(rows):
-                lev, pos = r // (w_ * cap), r % (w_ * cap)
-                if pos >= tot[lev]:
-                    out_expert[r] = out_src[r] = out_slot[r] = -1
-                    if out_scales is not None:
-                        out_scales[r] = 1.0
+            self._pad(p, tot)
         st[K_DISP_EPOCH] = e
         return 0
 
@@ -202,27 +236,17 @@ class FakeMoELib:
     def _dispatch_one_pass(self, p):
         """The one-pass mode (moe_kernel.cuh): rows straight into each receiver's outputs."""
         self.launches.append(("dispatch-one-pass", p.blocks))
-        w_, k_, l_, cap, me = p.world, p.topk, p.local, p.capacity, p.rank
-        st = i64(p.bases[me] + p.state_off, 16)
-        e = int(st[K_DISP_EPOCH]) + 1
-        par = e & 1
-        if st[K_FATAL]:
-            st[K_DISP_EPOCH] = e
+        w_, k_, l_, cap, me, t_n = p.world, p.topk, p.local, p.capacity, p.rank, p.tokens
+        begun = self._begin(p, K_DISP_EPOCH)
+        if begun is None:
             return 0
-        t_n = p.tokens
-        ids = (i32 if p.ids_bytes == 4 else i64)(p.ids, t_n * k_).astype(np.int64) if t_n else np.zeros(0, np.int64)
-        r = route(torch.from_numpy(ids).view(t_n, k_), l_ * w_, w_)
+        st, e, par = begun
+        ids, r = self._route(p)
         dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
-        if t_n:
-            i8(p.out_valid, t_n * k_)[:] = r.valid.reshape(-1).numpy()
         self._ptr(p, me, par)[:6] = (p.out_x, p.out_expert, p.out_src, p.out_slot, p.out_scales or 0, cap)
         self._count_words_out(p, r, par, e)
         ok = all(self._wait(p, self._cw(p, d, par, q), e, 0, q) for d in range(w_) for q in range(w_))
-        if ok:
-            for q in range(w_):
-                if i64(self._cw(p, me, par, q), 3)[2] != self._meta(p):
-                    self._record(p, 4, 0, q, -1, int(i64(self._cw(p, me, par, q), 3)[2]), self._meta(p), e, 0, True)
-                    ok = False
+        ok = ok and self._shapes_agree(p, par, e)
         if ok:
             x, scales = self._wire_rows(p, t_n)
             caps = [int(self._ptr(p, d, par)[5]) for d in range(w_)]
@@ -246,23 +270,7 @@ class FakeMoELib:
         for d in range(w_):
             i64(p.bases[d] + p.ddone_off + 8 * me)[0] = e
         if ok:
-            own = np.stack([cnt[(me, q)] for q in range(w_)])
-            tot = np.minimum(own, cap).sum(0)
-            over = np.argwhere(own > cap)
-            if len(over):
-                q, c = (int(v) for v in over[0])
-                self._record(p, 2, 0, q, me * l_ + c, int(own[q, c]), cap, e, 0, False)
-            if int(((ids < -1) | (ids >= l_ * w_)).sum()):
-                self._record(p, 3, 0, -1, -1, int(((ids < -1) | (ids >= l_ * w_)).sum()), 0, e, 0, False)
-            i32(p.out_counts, l_)[:] = tot
-            rows = l_ * w_ * cap
-            out_expert, out_src, out_slot = i32(p.out_expert, rows), i32(p.out_src, rows), i64(p.out_slot, rows)
-            out_scales = f32(p.out_scales, rows) if p.out_scales else None
-            for rr in range(rows):
-                if rr % (w_ * cap) >= tot[rr // (w_ * cap)]:
-                    out_expert[rr] = out_src[rr] = out_slot[rr] = -1
-                    if out_scales is not None:
-                        out_scales[rr] = 1.0
+            self._pad(p, self._receive_counts(p, np.stack([cnt[(me, q)] for q in range(w_)]), ids, e))
             for q in range(w_):
                 self._wait(p, p.bases[me] + p.ddone_off + 8 * q, e, 0, q)
         st[K_DISP_EPOCH] = e
@@ -271,12 +279,10 @@ class FakeMoELib:
     def _combine_one_pass(self, p):
         self.launches.append(("combine-one-pass", p.blocks))
         w_, k_, me = p.world, p.topk, p.rank
-        st = i64(p.bases[me] + p.state_off, 16)
-        e = int(st[K_COMB_EPOCH]) + 1
-        par = e & 1
-        if st[K_FATAL]:
-            st[K_COMB_EPOCH] = e
+        begun = self._begin(p, K_COMB_EPOCH)
+        if begun is None:
             return 0
+        st, e, par = begun
         mine = self._ptr(p, me, par)
         mine[9] = p.expert_out or 0
         mine[8] = e | (REJECT_BIT if p.reject else 0)
@@ -316,12 +322,10 @@ class FakeMoELib:
             return self._combine_one_pass(p)
         self.launches.append(("combine", p.blocks))
         w_, k_, me = p.world, p.topk, p.rank
-        st = i64(p.bases[me] + p.state_off, 16)
-        e = int(st[K_COMB_EPOCH]) + 1
-        par = e & 1
-        if st[K_FATAL]:
-            st[K_COMB_EPOCH] = e
+        begun = self._begin(p, K_COMB_EPOCH)
+        if begun is None:
             return 0
+        st, e, par = begun
         rows = p.local * w_ * p.capacity
         if not p.reject:
             src, slot = i32(p.row_src, rows), i64(p.row_slot, rows)

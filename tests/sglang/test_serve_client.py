@@ -16,6 +16,15 @@ C = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(C)
 
 
+def reply(handler, obj) -> None:
+    """Answer a fake server's request with ``obj`` as JSON."""
+    data = json.dumps(obj).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def fake_server(shift: int, delay: float = 0.0):
     """Answers /generate with output ids derived from the prompt (``shift`` changes prompt 1's tokens),
     after ``delay`` seconds."""
@@ -40,11 +49,7 @@ def fake_server(shift: int, delay: float = 0.0):
             else:
                 out = {"choices": [{"message": {"content": "hi"}, "finish_reason": "length"}],
                        "usage": {"completion_tokens": 16}}
-            data = json.dumps(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply(self, out)
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -177,11 +182,7 @@ def decoding_server(log):
             with open(log, "a") as f:
                 f.write("Decode batch. #running-req: 4\n")
             n = body["sampling_params"]["max_new_tokens"]
-            data = json.dumps([{"text": "x", "output_ids": list(range(n))} for _ in body["text"]]).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply(self, [{"text": "x", "output_ids": list(range(n))} for _ in body["text"]])
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
