@@ -82,6 +82,25 @@ __device__ inline void record(const PurlinMoeParams& p, long long code, long lon
   st_volatile(h, code);
 }
 
+// Warp 0 of block 0 (tid < 32): the received counts cnt[q * L + le] (shared) over capacity, and ids out
+// of range; only the first overflow in (source, expert) order is recorded (one writer: a record's words
+// never mix two overflows).
+__device__ inline void record_counts(const PurlinMoeParams& p, const int* cnt, long long cap, long long e, int nbad) {
+  const int lane = threadIdx.x;
+  const long long n = p.world * p.local;
+  for (long long i0 = 0; i0 < n; i0 += 32) {
+    const long long i = i0 + lane;
+    const unsigned over = __ballot_sync(0xffffffffu, i < n && cnt[i] > cap);
+    if (over != 0u) {
+      if (lane == __ffs(over) - 1) {
+        record(p, kOverflow, 0, i / p.local, p.rank * p.local + i % p.local, cnt[i], cap, e, 0, false);
+      }
+      break;
+    }
+  }
+  if (lane == 0 && nbad > 0) record(p, kBadIds, 0, -1, -1, nbad, 0, e, 0, false);
+}
+
 // Signals between ranks (count words, done words, the arrival fences): at system scope, or at GPU scope
 // when every rank's region lies on this GPU (p.one_device: virtual ranks), where a system-scope fence
 // orders nothing more and costs more.
@@ -267,19 +286,27 @@ __device__ __forceinline__ long long load_id(const PurlinMoeParams& p, long long
                           : static_cast<const long long*>(p.ids)[i];
 }
 
-// The ranks that own one of token t's experts (bit d: rank d).
+// The ranks that own one of token t's experts (bit d: rank d). The ids are loaded 8 at a time, so that
+// a decode-size call waits for one load, not topk loads in series.
 __device__ __forceinline__ unsigned long long token_mask(const PurlinMoeParams& p, long long t, long long E) {
+  constexpr int kBatch = 8;
   unsigned long long m = 0;
-  for (long long k = 0; k < p.topk; ++k) {
-    const long long id = load_id(p, t * p.topk + k);
-    if (id >= 0 && id < E) m |= 1ull << (id / p.local);
+  for (long long k0 = 0; k0 < p.topk; k0 += kBatch) {
+    long long id[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) id[u] = k0 + u < p.topk ? load_id(p, t * p.topk + k0 + u) : -1;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (id[u] >= 0 && id[u] < E) m |= 1ull << (id[u] / p.local);
+    }
   }
   return m;
 }
 
 // Every block: my rows per global expert (cnt), per expert those of tokens before t0 (pre), my tokens
 // per destination rank (tok) and those before t0 (tpre), ids outside [-1, E) (nbad). Histograms with
-// shared atomics: counts do not depend on the order.
+// shared atomics: counts do not depend on the order. Every loop issues its loads at once (a decode-size
+// call costs a load's latency per loop, not one per top-k column).
 __device__ inline void route_counts(const PurlinMoeParams& p, DispatchShared& s, long long t0, long long E) {
   const int tid = threadIdx.x;
   for (long long i = tid; i < E; i += blockDim.x) s.cnt[i] = s.pre[i] = 0;
@@ -296,9 +323,14 @@ __device__ inline void route_counts(const PurlinMoeParams& p, DispatchShared& s,
       atomicAdd(&s.nbad, 1);
     }
   }
-  for (long long t = tid; t < p.tokens; t += blockDim.x) {
-    for (unsigned long long m = token_mask(p, t, E); m; m &= m - 1) {
-      const int d = __ffsll(static_cast<long long>(m)) - 1;
+  // tokens per destination: a warp per token, one id per lane (topk <= 32); the lowest lane of each
+  // destination counts the token once
+  const int lane = tid & 31;
+  for (long long t = tid >> 5; t < p.tokens; t += blockDim.x >> 5) {
+    const long long id = lane < K ? load_id(p, t * K + lane) : -1;
+    const int d = id >= 0 && id < E ? int(id / p.local) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, d);
+    if (d >= 0 && (same & ((1u << lane) - 1u)) == 0u) {
       atomicAdd(&s.tok[d], 1);
       if (t < t0) atomicAdd(&s.tpre[d], 1);
     }
@@ -599,10 +631,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     }
     __syncthreads();
     if (blockIdx.x == 0) {
-      for (long long i = tid; i < W * L; i += blockDim.x) {
-        if (s.cnt[i] > cap) record(p, kOverflow, 0, i / L, p.rank * L + i % L, s.cnt[i], cap, e, 0, false);
-      }
-      if (tid == 0 && s.nbad > 0) record(p, kBadIds, 0, -1, -1, s.nbad, 0, e, 0, false);
+      if (tid < 32) record_counts(p, s.cnt, cap, e, s.nbad);
       for (long long le = tid; le < L; le += blockDim.x) {
         p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
       }
@@ -928,10 +957,17 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   __syncthreads();
   if (!s.fail && !s.bad) {
     // offsets: cnt[d * L + le] = the rows of ranks before me in d's group le
+    constexpr int kBatch = 8;  // count words read 8 at a time (not one latency per rank before me)
     for (long long i = tid; i < E; i += blockDim.x) {
       const long long d = i / L, le = i % L, cap_d = ptr_block(p, d, par)->capacity;
       int acc = 0;
-      for (long long q = 0; q < p.rank; ++q) acc += int(min(static_cast<long long>(count_of(p, d, par, q, le)), cap_d));
+      for (long long q0 = 0; q0 < p.rank; q0 += kBatch) {
+        int c[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) c[u] = q0 + u < p.rank ? count_of(p, d, par, q0 + u, le) : 0;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) acc += int(min(static_cast<long long>(c[u]), cap_d));
+      }
       s.cnt[i] = acc;
     }
     __syncthreads();
@@ -965,29 +1001,28 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   }
   stamp(p, 0, 4);
   if (!s.fail && !s.bad) {
-    // my local experts, one block each in turn: counts, overflow records, padding rows
+    // my local experts' counts (every block: the W * L words read at once; pre is free after the puts),
+    // block 0 also the out_counts and overflow records; then the padding rows, spread over the grid
+    __syncthreads();
+    for (long long i = tid; i < W * L; i += blockDim.x) s.pre[i] = count_of(p, p.rank, par, i / L, i % L);
+    __syncthreads();
+    for (long long le = tid; le < L; le += blockDim.x) {
+      int total = 0;
+      for (long long q = 0; q < W; ++q) total += int(min(static_cast<long long>(s.pre[q * L + le]), cap));
+      s.cnt[le] = total;
+      if (blockIdx.x == 0) p.out_counts[le] = total;
+    }
+    if (blockIdx.x == 0 && tid < 32) record_counts(p, s.pre, cap, e, s.nbad);
+    __syncthreads();
     const long long group = W * cap;
-    for (long long le = blockIdx.x; le < L; le += gridDim.x) {
-      __syncthreads();
-      if (tid == 0) {
-        int total = 0;
-        for (long long q = 0; q < W; ++q) {
-          const int c = count_of(p, p.rank, par, q, le);
-          if (c > cap) record(p, kOverflow, 0, q, p.rank * L + le, c, cap, e, 0, false);
-          total += int(min(static_cast<long long>(c), cap));
-        }
-        s.flag = total;
-        p.out_counts[le] = total;
-      }
-      __syncthreads();
-      for (long long r = le * group + s.flag + tid; r < (le + 1) * group; r += blockDim.x) {
+    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < L * group; r += (long long)gridDim.x * blockDim.x) {
+      if (r % group >= s.cnt[r / group]) {
         p.out_expert[r] = -1;
         p.out_src[r] = -1;
         p.out_slot[r] = -1;
         if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
       }
     }
-    if (blockIdx.x == 0 && tid == 0 && s.nbad > 0) record(p, kBadIds, 0, -1, -1, s.nbad, 0, e, 0, false);
   }
   __syncthreads();
   stamp(p, 0, 5);
@@ -996,12 +1031,13 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 
-// The one-pass mode: slot (t, k)'s row lies at row_ref's row of its receiver's expert_out (eo[receiver]).
+// The one-pass mode: slot (t, k)'s row lies at row_ref's row of its receiver's expert_out (eo[receiver]);
+// the dispatch wrote -1 there for a slot that is not routed or over capacity (so valid is not read).
 template <class T>
 __device__ inline void reduce_one_pass(const PurlinMoeParams& p, const long long* eo) {
   const long long K = p.topk;
   reduce_slots<T>(p, [&](long long t, long long k) -> const char* {
-    const long long ref = p.valid[t * K + k] ? p.row_ref[t * K + k] : -1;
+    const long long ref = p.row_ref[t * K + k];
     return ref >= 0 ? reinterpret_cast<const char*>(eo[ref >> 32]) + (ref & 0xffffffffll) * p.ret_bytes : nullptr;
   });
 }
