@@ -105,7 +105,7 @@ MOE_TRACE_WORDS = 8
 MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pad"),
                     "combine": ("start", "put_back", "notify", "wait", "reduce")}
 # The same stamps of the one-pass mode's kernels (virtual ranks: rows straight into the receivers' outputs).
-MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad"),
+MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad", "received"),
                            "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
 MOE_PTR_WORDS = 16  # a one-pass pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
 MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)

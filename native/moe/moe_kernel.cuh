@@ -1028,6 +1028,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   stamp(p, 0, 5);
   // wait: every producer's rows to me have landed (also after an error: the counters stay in step)
   if (!s.fail && tid < W && !wait_ge(p, ddone_word(p, p.rank, tid), e, 0, tid)) s.fail = 1;
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 0, 6);
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 

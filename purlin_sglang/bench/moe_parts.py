@@ -19,7 +19,9 @@ together, so per-call figures are what to read. Usage (GPU machine)::
 With ``--phases N`` the communicators run with ``moe.trace`` and N more pairs are replayed one at a
 time: the kernels stamp the end of each phase (the GPU's clock), and the table gives each phase's
 time per rank (``phase_table``): launch skew, routing and puts, the count words, the wait for the
-slowest peer, expand, padding; put back, done words, wait, reduce.
+slowest peer, expand, padding; put back, done words, wait, reduce. Each traced graph holds
+``--trace-calls`` pairs and the stamps are its last pair's: with 1 the dispatch's ``start`` is the ranks'
+launch skew, with more the pairs run in step as in a decode step's graph.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
                    seed=0, timeout_s=60.0)
 
-    one = dataclasses.replace(opts, iters=1, warmup=0, graph_calls=1)
+    traced = dataclasses.replace(opts, iters=1, warmup=0, graph_calls=args.trace_calls)
 
     t_start = time.monotonic()
 
@@ -99,8 +101,8 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         stamps = []
         if comm.rank == 0 and args.phases:
             sys.stderr.write(f"  {args.phases} traced pairs\n")
-        for _ in range(args.phases):  # one pair a graph, its stamps read after the replay
-            graph_samples(comm, parts["pair"], stream, side, barrier, one)
+        for _ in range(args.phases):  # --trace-calls pairs a graph: the stamps are the last pair's
+            graph_samples(comm, parts["pair"], stream, side, barrier, traced)
             stamps.append(comm.moe_trace())
         return out, stamps
 
@@ -159,6 +161,9 @@ def main(argv=None) -> int:
                    help="moe.one_pass (on: rows straight into the receivers' outputs; off: the receive-slot path)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
+    p.add_argument("--trace-calls", type=int, default=1, metavar="N",
+                   help="pairs per traced graph (the stamps are the last one's: N > 1 shows calls in step, "
+                        "after the first pair has absorbed the ranks' launch skew)")
     p.add_argument("--verbose", action="store_true", help="print each rank's capture and replays as they begin")
     p.add_argument("--out", default="bench-results/moe-parts")
     args = p.parse_args(argv)
