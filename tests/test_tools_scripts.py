@@ -5,6 +5,7 @@ short: a runner that dies on a command line or a syntax error wastes a whole cal
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import types
 from pathlib import Path
 
 import pytest
@@ -102,7 +104,7 @@ def test_dry_run_setup_then_tests_then_a_bench_each_with_its_own_arguments(tmp_p
     assert build.endswith(f"pip install --no-build-isolation --no-deps --target {work}/new {ROOT}  > {out}/build.log")
     assert "-m purlin_sglang info" in info
     site = f"PYTHONPATH={work}/new:{work}/deps"
-    assert f"env PURLIN_REQUIRE_GPU=1 {site} python3 -P -m pytest" in pytest_cmd
+    assert f"env PURLIN_REQUIRE_GPU=1 PURLIN_FAILURE_LOG={out}/test-failures.log {site} python3 -P -m pytest" in pytest_cmd
     assert pytest_cmd.endswith(f"tests/gpu/test_packets.py -x -kpacket  > {out}/test.log")
     assert bench.endswith(f"bench collectives --world 8 --out {out}/collectives  > {out}/collectives.log")
 
@@ -284,3 +286,31 @@ def test_results_table_of_an_ab_folder_takes_the_median_and_marks_wrong_results(
     empty.mkdir()
     r = table(str(empty))
     assert r.returncode == 1 and r.stdout == "" and "no records under" in r.stderr
+
+
+def test_the_test_step_keeps_each_failure_as_it_happens(tmp_path):
+    """A device call's budget can stop pytest before its summary: the test step names a failure log that
+    tests/conftest.py appends each failing test's report to as soon as it fails."""
+    cmds, _ = dry(tmp_path, "test", "tests/gpu/test_moe.py")
+    assert f"PURLIN_FAILURE_LOG={tmp_path}/out/test-failures.log " in cmds[0]
+    spec = importlib.util.spec_from_file_location("purlin_tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    log = tmp_path / "failures.log"
+
+    def report(nodeid, failed, when="call"):
+        return types.SimpleNamespace(nodeid=nodeid, failed=failed, when=when, longreprtext=f"AssertionError: {nodeid}")
+
+    os.environ.pop("PURLIN_FAILURE_LOG", None)
+    conftest.pytest_runtest_logreport(report("a.py::t0", True))  # no log asked for: nothing written
+    assert not log.exists()
+    try:
+        os.environ["PURLIN_FAILURE_LOG"] = str(log)
+        conftest.pytest_runtest_logreport(report("a.py::t1", False))
+        conftest.pytest_runtest_logreport(report("a.py::t2", True))
+        conftest.pytest_runtest_logreport(report("a.py::t3", True, when="setup"))
+    finally:
+        del os.environ["PURLIN_FAILURE_LOG"]
+    text = log.read_text()
+    assert text.startswith("FAILED a.py::t2 (in call)\nAssertionError: a.py::t2\n")
+    assert "FAILED a.py::t3 (in setup)" in text and "t1" not in text and "t0" not in text

@@ -275,10 +275,16 @@ step_test() {
   need_build || return 1
   local args=("$@")
   ((${#args[@]})) || args=(tests/gpu)
-  run "$LOG" "$LOG" env PURLIN_REQUIRE_GPU=1 "$(site new)" python3 -P -m pytest -q -p no:cacheprovider -rfEs \
-    --tb=short "${args[@]}"
+  local failures=$OUT_DIR/$TAG-failures.log  # written as tests fail (tests/conftest.py): kept by a stop
+  ((DRY)) || rm -f "$failures"
+  run "$LOG" "$LOG" env PURLIN_REQUIRE_GPU=1 PURLIN_FAILURE_LOG="$failures" "$(site new)" python3 -P -m pytest -q \
+    -p no:cacheprovider -rfEs --tb=short "${args[@]}"
   local rc=$?
   RESULT=$(last_line "$LOG")
+  if [[ -s $failures ]]; then
+    RESULT+="; failed so far: $(grep -c '^FAILED ' "$failures") ($TAG-failures.log: $(grep -m1 '^FAILED ' "$failures" \
+      | cut -c8-))"
+  fi
   return $rc
 }
 
