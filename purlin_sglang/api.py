@@ -401,6 +401,17 @@ class Communicator:
             return None
         return engine.recorded_error() or (moe.recorded_error() if moe is not None else None)
 
+    def lost_peers(self) -> dict[int, int]:
+        """The peers (rank -> pid) whose processes have exited since this communicator was made, among those
+        this process can watch: ranks of a CUDA process group on this host, in this pid namespace (their
+        pids come with the IPC set-up; a pid is checked with its start time, so a reused one is not
+        mistaken for the peer). {} elsewhere (virtual ranks, the CPU engine, other memory providers) and
+        once closed. Reads /proc only: safe from another thread while calls run. A call that needs a lost
+        peer still ends with PurlinTimeoutError after ``timeout_s``; this says why, at once."""
+        ws = None if self._closed else self._ws
+        lost = getattr(ws, "lost_peers", None)
+        return lost() if callable(lost) else {}
+
     @contextlib.contextmanager
     def capture(self):
         """Context for CUDA graph capture (the CPU engine captures nothing: a no-op).

@@ -618,3 +618,10 @@ def test_pending_error_is_none_where_calls_raise_as_they_run():
         return before, c.pending_error()
 
     assert ps.run_virtual(2, fn) == [(None, None), (None, None)]
+
+
+def test_lost_peers_is_empty_where_no_peer_process_is_watched():
+    def fn(c):
+        return c.lost_peers()
+
+    assert ps.run_virtual(2, fn) == [{}, {}]

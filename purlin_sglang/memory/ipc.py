@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 from ..errors import PurlinError, PurlinUnavailableError, PurlinValueError
 from .device import WorkspaceLifetime
+from .procs import exited, own_identity, watchable
 from .setup_phase import agree, as_status, check_create_args, check_same_nbytes, setup_group
 
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
@@ -120,6 +121,12 @@ class IpcWorkspace(WorkspaceLifetime):
         self._cudart = cudart
         self._own_ptr = own_ptr
         self._peer_ptrs = dict(peer_ptrs)  # rank -> pointer opened with cudaIpcOpenMemHandle
+        self.peers: dict[int, tuple[int, int]] = {}  # rank -> (pid, start) of the peers this process can watch
+
+    def lost_peers(self) -> dict[int, int]:
+        """The peers (rank -> pid) whose processes have exited since the set-up, among those this process
+        can watch (:mod:`.procs`: same host, same pid namespace). Reads /proc only; safe from any thread."""
+        return {r: pid for r, (pid, start) in self.peers.items() if exited(pid, start)}
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
@@ -150,7 +157,7 @@ class IpcWorkspace(WorkspaceLifetime):
                     handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(own_ptr))
                     bus = _check(cudart, "cudaDeviceGetPCIBusId", cudart.cudaDeviceGetPCIBusId(32, device_index))
                 mine = ("ok", {"handle": _handle_bytes(handle), "bus_id": _bus_text(bus), "nbytes": layout_nbytes,
-                               "pid": os.getpid(), "device_index": device_index})
+                               "pid": os.getpid(), "start": own_identity()["start"], "device_index": device_index})
             except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
                 mine = as_status(e)
             infos = agree(op, group, gworld, mine)
@@ -163,6 +170,7 @@ class IpcWorkspace(WorkspaceLifetime):
             # Phase 2: enable peer access where the GPUs differ, open every peer's handle.
             ws = cls(cudart=cudart, rank=rank, world=world, device_index=device_index, nbytes=layout_nbytes,
                      own_ptr=own_ptr, peer_ptrs={}, layout=layout)
+            ws.peers = watchable({r: i for r, i in enumerate(infos) if r != rank})
             try:
                 own_bus = infos[rank]["bus_id"]
                 with _on_device(cudart, device_index):

@@ -348,15 +348,23 @@ class RoutedCommunicator:
                 self._capture_depth -= 1
 
     def _watch_errors(self, comm: Communicator, every: float) -> None:
-        """Log each error a kernel of this rank records, once, as soon as it appears (a daemon thread; it
-        reads host memory only and ends with :meth:`destroy`). A non-fatal one (a MoE capacity overflow)
-        is cleared when a call raises it, so a later error is logged too."""
-        last = None
+        """Log each error a kernel of this rank records, once, as soon as it appears, and each peer process
+        that exits (``Communicator.lost_peers``), once (a daemon thread; it reads host memory and /proc only
+        and ends with :meth:`destroy`). A non-fatal error (a MoE capacity overflow) is cleared when a call
+        raises it, so a later error is logged too."""
+        last, lost = None, set()
         while not self._watch_stop.wait(every):
             try:
                 error = comm.pending_error()
+                gone = comm.lost_peers()
             except Exception:  # noqa: BLE001 - a communicator closed under the watch: nothing to report
                 return
+            for peer, pid in sorted(gone.items()):
+                if peer not in lost:
+                    lost.add(peer)
+                    logger.error("purlin[%s]: rank %d: peer rank %d (pid %d) has exited; this rank's calls that "
+                                 "need it end with PurlinTimeoutError after timeout_s (%gs)", self.name, self.rank,
+                                 peer, pid, comm.config.timeout_s)
             text = None if error is None else f"{type(error).__name__}: {error}"
             if text is not None and text != last:
                 logger.error("purlin[%s]: rank %d: %s", self.name, self.rank, text)

@@ -5,6 +5,7 @@ caller's flag. The SGLang adapter's own tests (tests/sglang) run through it too.
 from __future__ import annotations
 
 import ast
+import types
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,21 @@ def test_error_watch_seconds_are_a_plugin_key():
         PluginConfig.from_dict({"error_watch_s": -1})
 
 
-class _Recording:
+class _Watched:
+    """What the error watch reads of a communicator: pending_error(), lost_peers() and config.timeout_s."""
+
+    config = types.SimpleNamespace(timeout_s=20.0)
+    looks = 0
+
+    def pending_error(self):
+        self.looks += 1
+        return None
+
+    def lost_peers(self):
+        return {}
+
+
+class _Recording(_Watched):
     """A communicator whose device records an error at its ``after``-th look (pending_error)."""
 
     def __init__(self, after):
@@ -80,18 +95,23 @@ def _watcher():
     return rc
 
 
-def test_the_error_watch_logs_each_recorded_error_once(caplog):
+def _run_watch(rc, comm, looks: int) -> None:
+    """The watch thread over ``comm`` until it has looked ``looks`` times, then stopped as destroy() does."""
     import threading
 
+    t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
+    t.start()
+    while comm.looks < looks and t.is_alive():
+        t.join(0.02)
+    rc._watch_stop.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_the_error_watch_logs_each_recorded_error_once(caplog):
     rc, comm = _watcher(), _Recording(after=3)
     with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
-        t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
-        t.start()
-        while comm.looks < 10:  # the same record seen again and again: logged once
-            t.join(0.02)
-        rc._watch_stop.set()
-        t.join(10)
-    assert not t.is_alive()
+        _run_watch(rc, comm, 10)  # the same record seen again and again: logged once
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["purlin[tp]: rank 1: PurlinTimeoutError: all_reduce: rank 1 waited 20s at op #0 (notify wait) "
                      "for rank 0"]
@@ -113,8 +133,6 @@ def test_the_error_watch_ends_when_the_group_is_destroyed():
 
 
 def test_the_error_watch_logs_a_later_error_after_one_was_cleared(caplog):
-    import threading
-
     from purlin_sglang.errors import PurlinCapacityError, PurlinTimeoutError
 
     overflow = PurlinCapacityError("moe_dispatch: rank 0 routed 9 rows to expert 3, more than capacity=8", rank=0,
@@ -123,20 +141,30 @@ def test_the_error_watch_logs_a_later_error_after_one_was_cleared(caplog):
                                  missing=[0])
     seen = [None, overflow, overflow, None, timeout]  # the overflow raised (cleared) by a call, then a timeout
 
-    class Sequence:
-        looks = 0
-
+    class Sequence(_Watched):
         def pending_error(self):
             self.looks += 1
             return seen[min(self.looks, len(seen)) - 1]
 
     rc, comm = _watcher(), Sequence()
     with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
-        t = threading.Thread(target=rc._watch_errors, args=(comm, 0.01))
-        t.start()
-        while comm.looks < 12:
-            t.join(0.02)
-        rc._watch_stop.set()
-        t.join(10)
+        _run_watch(rc, comm, 12)
     assert [r.getMessage().split(": ", 2)[2].split(":")[0] for r in caplog.records] == [
         "PurlinCapacityError", "PurlinTimeoutError"]
+
+
+def test_the_error_watch_logs_each_peer_that_exits_once(caplog):
+    class Losing(_Watched):
+        def pending_error(self):
+            return None
+
+        def lost_peers(self):
+            self.looks += 1
+            return {} if self.looks < 3 else {2: 4242} if self.looks < 5 else {0: 4240, 2: 4242}
+
+    rc, comm = _watcher(), Losing()
+    with caplog.at_level("ERROR", logger="purlin_sglang.routed.communicator"):
+        _run_watch(rc, comm, 10)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"purlin[tp]: rank 1: peer rank {peer} (pid {pid}) has exited; this rank's calls that need it end with "
+        "PurlinTimeoutError after timeout_s (20s)" for peer, pid in ((2, 4242), (0, 4240))]
