@@ -324,8 +324,10 @@ class Communicator:
         """This rank rejected its own arguments of a collective: where the ranks can hear it (the CPU
         engine's descriptors; virtual ranks' launch gate) the call is announced as rejected, so that
         every peer raises a PurlinRejectedError quoting ``error`` instead of waiting for this rank, and
-        the call number is spent on every rank alike; then ``error`` is raised. A CUDA process group
-        (whose descriptors live on the device) and a call under graph capture raise it here only."""
+        the call number is spent on every rank alike; then ``error`` is raised. On a CUDA process group
+        the engine writes a rejected descriptor into the peers' workspaces (CudaEngine.reject): their
+        kernels of the call, already running, stop and they raise PurlinRejectedError; the communicator
+        is broken then. A call under graph capture raises it here only."""
         if self._closed or self._engine.broken or self.world_size == 1:
             raise error
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

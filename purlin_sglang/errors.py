@@ -21,8 +21,10 @@ class PurlinValueError(PurlinError, ValueError):
 
 class PurlinRejectedError(PurlinValueError):
     """Another rank rejected its own arguments of this call: every rank skipped the call and the
-    communicator stays usable. ``rank`` is the rank that rejected them (the lowest, if several did),
-    ``cause`` its own error message, which this message quotes; ``op`` the call."""
+    communicator stays usable (but on a CUDA process group, whose kernels were already running: there
+    they stopped mid-call and the communicator is broken, as the message says). ``rank`` is the rank
+    that rejected them (the lowest, if several did), ``cause`` its own error message, which this message
+    quotes; ``op`` the call."""
 
     def __init__(self, message: str, *, op: str = "", rank: int = -1, cause: str = ""):
         super().__init__(message)

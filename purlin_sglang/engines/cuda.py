@@ -15,6 +15,7 @@ and raises :class:`PurlinTimeoutError` there: an error can surface one call late
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Optional
 
 import numpy as np
@@ -24,15 +25,42 @@ from .. import native
 from ..abi import DESC_SEQ_SHIFT
 from ..config import timeouts
 from ..errors import (
-    PurlinBrokenError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinTimeoutError, PurlinUnavailableError,
+    PurlinBrokenError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinRejectedError, PurlinTimeoutError,
+    PurlinUnavailableError, text_words, words_text,
 )
-from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, DeviceLayout
+from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, REJECT_WORDS, DeviceLayout
 from ..snac import Schedule, registry
 from .base import describe_info, fold32, mismatch_message
 from .cuda_ops import ACK, BARRIER_KIND, DRAIN, KIND_NAMES, NOTIFY, PACKET_KIND, encode
 
 MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITECTURE.md)
 HOST_ERROR_WORDS = native.SNAC_ERROR_WORDS  # the kernels' host-mapped record (native.SNAC_ERROR_FIELDS)
+REJECT_MARK = (1 << DESC_SEQ_SHIFT) - 1  # the payload of all three descriptor words of a rejected call
+READ_REJECTION_S = 1.0  # how long a rank's host waits for the device copy of a peer's rejection message
+
+
+def desc_word(seq: int, payload: int) -> int:
+    """A descriptor word as the kernels write it (native ops.cuh desc_word): ``seq << DESC_SEQ_SHIFT |
+    payload``, as a signed int64."""
+    v = ((seq << DESC_SEQ_SHIFT) | (payload & REJECT_MARK)) & ((1 << 64) - 1)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def rejected_marks(theirs: int, lo: int, hi: int) -> bool:
+    """Whether a MISMATCH record's peer words (word 0 as its kernel read it, words 1 and 2 of the same call)
+    are those of a rejected call (:meth:`CudaEngine.reject`)."""
+    return all(w != 0 and w & REJECT_MARK == REJECT_MARK for w in (theirs, lo, hi))
+
+
+def _wait_stream(stream, seconds: float) -> bool:
+    """Poll ``stream`` until its work is done, at most ``seconds``: a device that cannot get to it (a kernel
+    of another call still spinning) must not hang the host. True when done."""
+    deadline = time.monotonic() + seconds
+    while not stream.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 TABLE_ARENA_WORDS = 1 << 18  # 2 MiB of op tables per rank, allocated up front; grows by doubling
 
 
@@ -134,6 +162,8 @@ class CudaEngine:
         self._stream = None  # the torch Stream of the last launch (for synchronize) and its handle
         self._stream_handle: int | None = None
         self.broken: str | None = None
+        self._reject_causes: dict[tuple[int, int], str] = {}  # (peer, call) -> the message a peer rejected with
+        self._reject_buf = None
 
     # -- tables --------------------------------------------------------------------------------
     def _table(self, sched: Schedule, op: str) -> tuple:
@@ -220,6 +250,79 @@ class CudaEngine:
         self.mark_broken(f"launch failed with CUDA error {code}")
         raise PurlinCudaError(f"{op}: kernel launch failed: {self.lib.error_string(code)}", code=code)
 
+    # -- a rank's own argument error -----------------------------------------------------------
+    def reject(self, seq: int, op: str, message: str) -> None:
+        """This rank rejected its own arguments of call ``seq`` (``message``: its error) and launches nothing.
+
+        With the call check on (``device_call_check``), its message and a rejected descriptor for ``seq`` are
+        written into every peer's workspace (one-block copies from pinned memory on a side stream, the
+        descriptor's word 0 last): a peer kernel waiting for this rank in that call stops within the check's
+        20 us and records it, and that peer raises :class:`PurlinRejectedError` quoting ``message`` at its
+        next call or :meth:`synchronize`, instead of a timeout after ``timeout_s``. The peers' kernels of a
+        process group are already running when this rank finds its error, so they stop mid-call: the
+        communicator is broken on every rank, this one included. Never raises: the caller raises its own
+        error whatever happens here (a peer then gets its timeout, as without the check)."""
+        if self.call_check and self.ws is not None and not self.broken and self.world > 1:
+            try:
+                self._announce_rejection(seq, message)
+            except Exception:  # noqa: BLE001 - the caller's own error is what this rank raises
+                pass
+        self.mark_broken(f"{op}: this rank rejected its arguments of call #{seq} ({message}); its peers' kernels "
+                         "stopped in that call, so the communicator is broken on every rank (create a new one)")
+
+    def _announce_rejection(self, seq: int, message: str) -> None:
+        dl, me = self.dlayout, self.rank
+        mark = desc_word(seq, REJECT_MARK)
+        words = [seq, len(message.encode("utf-8")), *text_words(message, REJECT_WORDS - 2), mark, mark, mark]
+        buf = _pinned_words(words)
+        self._reject_buf = buf  # alive until its copies ran (a copy left waiting below still reads it)
+        src, nbytes = buf.data_ptr(), REJECT_WORDS * 8
+        stream = _side_stream(self.device)
+        peers = [(q, base) for q, base in enumerate(self.ws.base_ptrs) if q != me]
+        # in order on one stream: every message, then descriptor words 1 and 2, then word 0 (what a waiting
+        # peer compares, so it finds the rest in place)
+        for q, base in peers:
+            self.lib.copy_atom(base + dl.reject(me), src, nbytes, stream.cuda_stream, max_blocks=1, device=self._index)
+        for q, base in peers:
+            self.lib.copy_atom(base + dl.desc(me, seq) + 8, src + nbytes + 8, 16, stream.cuda_stream, max_blocks=1,
+                               device=self._index)
+        for q, base in peers:
+            self.lib.copy_atom(base + dl.desc(me, seq), src + nbytes, 8, stream.cuda_stream, max_blocks=1,
+                               device=self._index)
+        _wait_stream(stream, self.timeout_s)
+
+    def _rejection(self) -> Optional[tuple[int, int]]:
+        """(peer, call number) of a recorded MISMATCH that is a peer's rejected call, or None."""
+        f = native.SNAC_ERROR_FIELDS
+        if int(self._err[0]) != native.SNAC_ERROR_CODES["MISMATCH"]:
+            return None
+        theirs, lo, hi, mine, peer = (int(self._err[f.index(k)]) for k in ("seen", "peer_info_lo", "peer_info_hi",
+                                                                               "target", "peer"))
+        if not rejected_marks(theirs, lo, hi):
+            return None
+        return peer, (mine >> DESC_SEQ_SHIFT) & REJECT_MARK
+
+    def _read_rejection(self) -> None:
+        """A recorded rejection's message, read from this rank's workspace (where the peer wrote it) into
+        ``_reject_causes``; bounded (READ_REJECTION_S), and left out if it cannot be read."""
+        found = self._rejection()
+        if found is None or found in self._reject_causes or self.ws is None:
+            return
+        peer, seq = found
+        try:
+            buf = _pinned_words([0] * REJECT_WORDS)
+            stream = _side_stream(self.device)
+            self.lib.copy_atom(buf.data_ptr(), self.ws.base_ptrs[self.rank] + self.dlayout.reject(peer),
+                               REJECT_WORDS * 8, stream.cuda_stream, max_blocks=1, device=self._index)
+            if not _wait_stream(stream, READ_REJECTION_S):
+                return
+            w = buf.tolist()
+        except Exception:  # noqa: BLE001 - the error is raised all the same, without the peer's words
+            return
+        if w[0] == seq:
+            text = words_text(w[2:])
+            self._reject_causes[found] = text + (" [...]" if w[1] > 8 * (REJECT_WORDS - 2) else "")
+
     def synchronize(self) -> None:
         """Wait for this rank's enqueued calls; raise a timeout one of them recorded. Blocks the host."""
         if self._stream is not None:
@@ -233,6 +336,7 @@ class CudaEngine:
             self._raise_recorded()
 
     def _raise_recorded(self) -> None:
+        self._read_rejection()
         error = self.recorded_error()
         self.broken = self.broken or str(error)
         raise error
@@ -244,6 +348,15 @@ class CudaEngine:
             return None
         code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
+        rejected = self._rejection()
+        if rejected is not None:
+            peer, seq = rejected
+            cause = self._reject_causes.get(rejected)
+            quoted = f'"{cause}"' if cause is not None else "(its message could not be read)"
+            return PurlinRejectedError(
+                f"{name}: rank {peer} rejected its arguments of call #{seq}: {quoted}; rank {rank}'s kernel stopped "
+                "waiting for it in that call (the ranks of a CUDA process group launch before they can hear of it), "
+                "so the communicator is now broken", op=name, rank=peer, cause=cause or "")
         if code == native.SNAC_ERROR_CODES["MISMATCH"]:
             return PurlinMismatchError(self._mismatch_message(name, rank, peer, target, seen), op=name, rank=rank,
                                        peer=peer)
@@ -327,3 +440,13 @@ def _torch_current_stream(index: int) -> int:
 # (the one its compiled code calls; no Stream object is built), else the public API. The one stream
 # lookup of a call.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _torch_current_stream)
+
+
+def _pinned_words(words: list) -> torch.Tensor:
+    """``words`` as an int64 tensor in pinned host memory (a device copy's source or destination)."""
+    return torch.tensor(words, dtype=torch.int64).pin_memory()
+
+
+def _side_stream(device: torch.device):
+    """A stream of its own for the rejection copies (not the caller's, whose queue may hold spinning calls)."""
+    return torch.cuda.Stream(device)

@@ -146,6 +146,8 @@ class DeviceLayout(_RankLayout):
     * ``desc[p][DESC_RING][DESC_WORDS]``: call descriptors, written by producer ``p`` at the start of
       each call (slot ``seq % DESC_RING``): ``seq << 32 | payload`` words carrying the call's
       folded fingerprint and description code; read by ``r`` only when a wait for ``p`` stalls.
+    * ``reject[p][REJECT_WORDS]``: producer ``p``'s message when it rejected its own arguments of a call
+      (written by ``p``'s host, read by ``r``'s host; see :attr:`reject_off`).
     * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
     * ``window[2][world]``: packet receive windows (written by the producers, pushed), one per
       epoch parity and producer, ``window_bytes`` each: ``PACKET_MAX_BYTES`` of payload as packets.
@@ -208,8 +210,19 @@ class DeviceLayout(_RankLayout):
         return self.desc_off + (producer * DESC_RING + seq % DESC_RING) * DESC_WORDS * WORD
 
     @property
+    def reject_off(self) -> int:
+        """Rejections, ``[producer][REJECT_WORDS]`` int64: ``[seq, nbytes, message...]``, written by producer
+        ``p``'s host into this rank's workspace when ``p`` rejects its own arguments of call ``seq``
+        (CudaEngine.reject); read by this rank's host once its kernel met ``p``'s rejected descriptor."""
+        return _align(self.desc_off + self.world * DESC_RING * DESC_WORDS * WORD, 128)
+
+    def reject(self, producer: int) -> int:
+        """Byte offset of ``producer``'s rejection entry."""
+        return self.reject_off + producer * REJECT_WORDS * WORD
+
+    @property
     def signal_bytes(self) -> int:
-        return self.desc_off + self.world * DESC_RING * DESC_WORDS * WORD
+        return self.reject_off + self.world * REJECT_WORDS * WORD
 
     @property
     def staging_off(self) -> int:

@@ -155,6 +155,46 @@ def _timeout_worker(rank, world, memory, timeout):
     return outcome, elapsed, again
 
 
+def _reject_worker(rank, world, memory, timeout):
+    import torch.distributed as dist
+
+    import purlin_sglang as ps
+    from purlin_sglang.errors import PurlinBrokenError, PurlinRejectedError
+
+    torch.cuda.set_device(0)
+    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": timeout}
+    comm = ps.Communicator(None, "cuda", config=cfg)
+    x = torch.ones(1000, device=comm.device)
+    comm.all_reduce(x)
+    comm.synchronize()
+    dist.barrier()
+    t0 = time.monotonic()
+    outcome = None
+    try:
+        bad = torch.empty(1000, dtype=torch.float16, device=comm.device) if rank == 1 else None
+        comm.all_reduce(x, out=bad)  # rank 1: an out= of another dtype, found before its launch
+        comm.synchronize()  # rank 0: its kernel waits for rank 1, which never launches
+        outcome = ("ok",)
+    except PurlinRejectedError as e:
+        outcome = ("rejected", str(e), e.rank, e.cause, time.monotonic() - t0)
+    except ps.PurlinValueError as e:
+        outcome = ("own", str(e), time.monotonic() - t0)
+    try:
+        comm.all_reduce(x)
+        after = "usable"
+    except PurlinBrokenError:
+        after = "broken"
+    dist.barrier()
+    comm.close()
+    fresh = ps.Communicator(None, "cuda", config=cfg)
+    y = fresh.all_reduce(torch.full((8,), float(rank + 1), device=fresh.device))
+    fresh.synchronize()
+    again = y.cpu().tolist()
+    dist.barrier()
+    fresh.close()
+    return outcome, after, again
+
+
 def _mismatch_worker(rank, world, memory):
     import purlin_sglang as ps
     from purlin_sglang.errors import PurlinConfigError
@@ -244,6 +284,21 @@ def test_skipped_call_times_out_naming_the_peer_then_a_new_communicator_works():
     assert rank == 0 and missing == (1,), out0
     assert pending == msg  # pending_error(), read while the call was outstanding, is what synchronize raised
     assert elapsed0 < timeout + 5, elapsed0
+    assert again0 == again1 == [3.0] * 8
+
+
+def test_a_rank_that_rejects_its_arguments_stops_its_peer_at_once():
+    """A CUDA process group: rank 1's out= has another dtype; rank 0's kernel, already waiting for rank 1,
+    stops on rank 1's rejected descriptor and rank 0 raises PurlinRejectedError quoting rank 1's error well
+    before timeout_s; both ranks are broken then, and a new communicator works."""
+    timeout = 20.0
+    (out0, after0, again0), (out1, after1, again1) = launch(_reject_worker, 2, "ipc", timeout, timeout_s=120, env=ENV)
+    assert out1[0] == "own" and "dtype" in out1[1], out1
+    assert out0[0] == "rejected", out0
+    _, msg, rank, cause, elapsed = out0
+    assert rank == 1 and cause == out1[1] and f'"{out1[1]}"' in msg, out0
+    assert elapsed < 2.0, elapsed  # not the 20 s timeout
+    assert after0 == after1 == "broken"
     assert again0 == again1 == [3.0] * 8
 
 
