@@ -121,14 +121,9 @@ def _graph_worker(rank, world, memory, seed, replays):
 
 
 def _timeout_worker(rank, world, memory, timeout):
-    import purlin_sglang as ps
     from purlin_sglang.errors import PurlinTimeoutError
 
-    torch.cuda.set_device(0)
-    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": timeout}
-    comm = ps.Communicator(None, "cuda", config=cfg)
-    x = torch.ones(1000, device=comm.device)
-    comm.all_reduce(x)
+    cfg, comm, x = _after_one_call(memory, timeout)
     t0 = time.monotonic()
     outcome, pending = "ok", None
     try:
@@ -142,9 +137,29 @@ def _timeout_worker(rank, world, memory, timeout):
         outcome = ("timeout", str(e), e.rank, tuple(e.missing), str(pending) if pending is not None else None,
                    time.monotonic() - t0)
     elapsed = time.monotonic() - t0
+    return outcome, elapsed, _closed_then_a_fresh_one(comm, cfg, rank)
+
+
+def _after_one_call(memory, timeout):
+    """A CUDA communicator of this process group on GPU 0 that has made one all_reduce: (config, it, x)."""
+    import purlin_sglang as ps
+
+    torch.cuda.set_device(0)
+    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": timeout}
+    comm = ps.Communicator(None, "cuda", config=cfg)
+    x = torch.ones(1000, device=comm.device)
+    comm.all_reduce(x)
+    return cfg, comm, x
+
+
+def _closed_then_a_fresh_one(comm, cfg, rank):
+    """``comm`` closed once every rank got here (no kernel polls a peer's memory any more), then a new
+    communicator's all_reduce of rank + 1 (every rank's result)."""
     import torch.distributed as dist
 
-    dist.barrier()  # rank 0's timed-out kernel has ended before rank 1 frees the memory it polled
+    import purlin_sglang as ps
+
+    dist.barrier()
     comm.close()
     fresh = ps.Communicator(None, "cuda", config=cfg)
     y = fresh.all_reduce(torch.full((8,), float(rank + 1), device=fresh.device))
@@ -152,7 +167,7 @@ def _timeout_worker(rank, world, memory, timeout):
     again = y.cpu().tolist()
     dist.barrier()
     fresh.close()
-    return outcome, elapsed, again
+    return again
 
 
 def _reject_worker(rank, world, memory, timeout):
@@ -161,11 +176,7 @@ def _reject_worker(rank, world, memory, timeout):
     import purlin_sglang as ps
     from purlin_sglang.errors import PurlinBrokenError, PurlinRejectedError
 
-    torch.cuda.set_device(0)
-    cfg = {"memory": memory, "staging_bytes": STAGING, "timeout_s": timeout}
-    comm = ps.Communicator(None, "cuda", config=cfg)
-    x = torch.ones(1000, device=comm.device)
-    comm.all_reduce(x)
+    cfg, comm, x = _after_one_call(memory, timeout)
     comm.synchronize()
     dist.barrier()
     t0 = time.monotonic()
@@ -184,15 +195,7 @@ def _reject_worker(rank, world, memory, timeout):
         after = "usable"
     except PurlinBrokenError:
         after = "broken"
-    dist.barrier()
-    comm.close()
-    fresh = ps.Communicator(None, "cuda", config=cfg)
-    y = fresh.all_reduce(torch.full((8,), float(rank + 1), device=fresh.device))
-    fresh.synchronize()
-    again = y.cpu().tolist()
-    dist.barrier()
-    fresh.close()
-    return outcome, after, again
+    return outcome, after, _closed_then_a_fresh_one(comm, cfg, rank)
 
 
 def _mismatch_worker(rank, world, memory):
