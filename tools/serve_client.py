@@ -317,6 +317,7 @@ def gpu_pids() -> list[int]:
 
 
 PURLIN_ERROR = re.compile(r"Purlin\w*Error")
+LOST_PEER = re.compile(r"purlin\[[^\]]*\]: rank \d+: peer rank \d+ \(pid \d+\) has exited")  # the error watch
 
 
 def cmd_fault(a: argparse.Namespace) -> int:
@@ -377,6 +378,7 @@ def cmd_fault(a: argparse.Namespace) -> int:
         text = log.read_text(errors="replace").splitlines()
         errs = [ln.strip()[:400] for ln in text if PURLIN_ERROR.search(ln)]
         rec["purlin_error_lines"] = errs[:8]
+        rec["purlin_lost_peer_lines"] = [ln.strip()[:400] for ln in text if LOST_PEER.search(ln)][:8]
         first_err = next((ln.strip()[:400] for ln in text if re.search(r"Error|error|Traceback", ln)
                           and "INFO" not in ln), None)
         rec["first_error_line"] = first_err
@@ -392,7 +394,8 @@ def cmd_fault(a: argparse.Namespace) -> int:
     write_record(a.out, rec, log)
     print(f"{a.name}: ok={rec['ok']} killed {rec.get('killed', {}).get('title', '-')}; unhealthy after "
           f"{rec.get('unhealthy_after_s')} s, exited after {rec.get('exited_after_s')} s (timeout_s {a.timeout_s:g}); "
-          f"purlin error lines {len(rec.get('purlin_error_lines', []))}; GPU holders after "
+          f"purlin error lines {len(rec.get('purlin_error_lines', []))} (lost peer "
+          f"{len(rec.get('purlin_lost_peer_lines', []))}); GPU holders after "
           f"{rec.get('gpu_holders_after')}{'; ' + rec['error'] if 'error' in rec else ''}", flush=True)
     return 0 if rec["ok"] else 1
 

@@ -159,9 +159,13 @@ victim = subprocess.Popen(["bash", "-c", "exec -a sglang::scheduler_TP1 sleep 60
 survivor = subprocess.Popen(["bash", "-c", "exec -a sglang::scheduler_TP0 sleep 600"])
 victim.wait()
 time.sleep(float(sys.argv[2]))
+lines = {"purlin": "[TP0] Scheduler hit an exception: purlin_sglang.errors.PurlinTimeoutError: all_reduce: rank 0 "
+                   "waited for rank 1\n",
+         "lost": "[TP0] purlin[tp:0]: rank 0: peer rank 1 (pid 4242) has exited; this rank's calls that need it end "
+                 "with PurlinTimeoutError after timeout_s (2s)\n",
+         "gloo": "[TP0] RuntimeError: Connection closed by peer\n"}
 with open(log, "a") as f:
-    f.write("[TP0] Scheduler hit an exception: purlin_sglang.errors.PurlinTimeoutError: all_reduce: rank 0 waited "
-            "for rank 1\n" if sys.argv[3] == "purlin" else "[TP0] RuntimeError: Connection closed by peer\n")
+    f.write(lines[sys.argv[3]])
 survivor.kill()
 """
 
@@ -192,7 +196,7 @@ def decoding_server(log):
 # --timeout-s 2: a server that exits after 0.5 s never let purlin's wait expire (no purlin line needed); one
 # that exits after 3 s did (its log must name purlin's error); after 7 s is past timeout_s + grace (3).
 @pytest.mark.parametrize("delay,says,ok", [(3.0, "purlin", True), (3.0, "gloo", False), (0.5, "gloo", True),
-                                           (7.0, "purlin", False)])
+                                           (7.0, "purlin", False), (0.5, "lost", True)])
 def test_fault_kills_the_victim_scheduler_and_times_the_server_exit(tmp_path, delay, says, ok):
     import subprocess
     import sys
@@ -214,6 +218,7 @@ def test_fault_kills_the_victim_scheduler_and_times_the_server_exit(tmp_path, de
     rec = json.loads((tmp_path / "f.json").read_text())
     assert rec["killed"]["title"].startswith("sglang::scheduler_TP1")
     assert rec["exited_after_s"] is not None and delay <= rec["exited_after_s"] < delay + 3
-    assert bool(rec["purlin_error_lines"]) == (says == "purlin")
+    assert bool(rec["purlin_error_lines"]) == (says in ("purlin", "lost"))
+    assert bool(rec["purlin_lost_peer_lines"]) == (says == "lost")
     assert rec["ok"] is ok and rc == (0 if ok else 1)
     assert rec["gpu_holders_after"] == []
