@@ -19,7 +19,7 @@ from purlin_sglang import abi, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
-from purlin_sglang.memory.layout import DeviceLayout
+from purlin_sglang.memory.layout import REJECT_WORDS, DeviceLayout
 from purlin_sglang.moe.cuda import CudaMoE
 from purlin_sglang.moe.region import MoELayout
 
@@ -363,7 +363,7 @@ def test_cuda_engine_publishes_call_descriptors_only_when_asked(monkeypatch, cal
         assert [g[1:] for g in got] == calls
 
 
-def test_device_descriptors_live_in_the_signal_area_and_do_not_overlap():
+def test_device_descriptors_and_rejections_live_in_the_signal_area_and_do_not_overlap():
     for world in (1, 2, 3, 8, 64):
         lay = DeviceLayout(world, 1 << 20)
         end_of_epochs = lay.epoch_off + 16 * 8
@@ -371,8 +371,11 @@ def test_device_descriptors_live_in_the_signal_area_and_do_not_overlap():
         slots = {lay.desc(p, s) for p in range(world) for s in range(native.SNAC_DESC_RING)}
         assert len(slots) == world * native.SNAC_DESC_RING
         assert min(slots) == lay.desc_off
-        assert max(slots) + native.SNAC_DESC_WORDS * 8 == lay.signal_bytes <= lay.staging_off
+        assert max(slots) + native.SNAC_DESC_WORDS * 8 <= lay.reject_off and lay.reject_off % 128 == 0
         assert lay.desc(world - 1, 7) == lay.desc(world - 1, 3)  # slot = seq % ring
+        entries = [lay.reject(p) for p in range(world)]  # each producer's rejection message
+        assert entries[0] == lay.reject_off and all(b - a == REJECT_WORDS * 8 for a, b in zip(entries, entries[1:]))
+        assert entries[-1] + REJECT_WORDS * 8 == lay.signal_bytes <= lay.staging_off
 
 
 def _engine_with_mismatch(mine_seq: int, mine_fp: int, theirs_fp: int, my_info: int, peer_info: int | None):
