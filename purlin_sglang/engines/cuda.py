@@ -277,19 +277,20 @@ class CudaEngine:
         buf = _pinned_words(words)
         self._reject_buf = buf  # alive until its copies ran (a copy left waiting below still reads it)
         src, nbytes = buf.data_ptr(), REJECT_WORDS * 8
+        peers = [base for q, base in enumerate(self.ws.base_ptrs) if q != me]
+        # in order: every message, then descriptor words 1 and 2, then word 0 (what a waiting peer compares,
+        # so it finds the rest in place)
+        self._side_copies([(base + dl.reject(me), src, nbytes) for base in peers]
+                          + [(base + dl.desc(me, seq) + 8, src + nbytes + 8, 16) for base in peers]
+                          + [(base + dl.desc(me, seq), src + nbytes, 8) for base in peers], self.timeout_s)
+
+    def _side_copies(self, copies: list[tuple[int, int, int]], seconds: float) -> bool:
+        """``(dst, src, nbytes)`` one-block copies, in order, on a stream of their own; waits for them at most
+        ``seconds`` (:func:`_wait_stream`). True when they ran."""
         stream = _side_stream(self.device)
-        peers = [(q, base) for q, base in enumerate(self.ws.base_ptrs) if q != me]
-        # in order on one stream: every message, then descriptor words 1 and 2, then word 0 (what a waiting
-        # peer compares, so it finds the rest in place)
-        for q, base in peers:
-            self.lib.copy_atom(base + dl.reject(me), src, nbytes, stream.cuda_stream, max_blocks=1, device=self._index)
-        for q, base in peers:
-            self.lib.copy_atom(base + dl.desc(me, seq) + 8, src + nbytes + 8, 16, stream.cuda_stream, max_blocks=1,
-                               device=self._index)
-        for q, base in peers:
-            self.lib.copy_atom(base + dl.desc(me, seq), src + nbytes, 8, stream.cuda_stream, max_blocks=1,
-                               device=self._index)
-        _wait_stream(stream, self.timeout_s)
+        for dst, src, nbytes in copies:
+            self.lib.copy_atom(dst, src, nbytes, stream.cuda_stream, max_blocks=1, device=self._index)
+        return _wait_stream(stream, seconds)
 
     def _rejection(self) -> Optional[tuple[int, int]]:
         """(peer, call number) of a recorded MISMATCH that is a peer's rejected call, or None."""
@@ -311,10 +312,8 @@ class CudaEngine:
         peer, seq = found
         try:
             buf = _pinned_words([0] * REJECT_WORDS)
-            stream = _side_stream(self.device)
-            self.lib.copy_atom(buf.data_ptr(), self.ws.base_ptrs[self.rank] + self.dlayout.reject(peer),
-                               REJECT_WORDS * 8, stream.cuda_stream, max_blocks=1, device=self._index)
-            if not _wait_stream(stream, READ_REJECTION_S):
+            entry = self.ws.base_ptrs[self.rank] + self.dlayout.reject(peer)
+            if not self._side_copies([(buf.data_ptr(), entry, REJECT_WORDS * 8)], READ_REJECTION_S):
                 return
             w = buf.tolist()
         except Exception:  # noqa: BLE001 - the error is raised all the same, without the peer's words

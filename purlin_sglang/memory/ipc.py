@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 from typing import Any, Optional
 
 from ..errors import PurlinError, PurlinUnavailableError, PurlinValueError
@@ -157,7 +156,7 @@ class IpcWorkspace(WorkspaceLifetime):
                     handle = _check(cudart, "cudaIpcGetMemHandle", cudart.cudaIpcGetMemHandle(own_ptr))
                     bus = _check(cudart, "cudaDeviceGetPCIBusId", cudart.cudaDeviceGetPCIBusId(32, device_index))
                 mine = ("ok", {"handle": _handle_bytes(handle), "bus_id": _bus_text(bus), "nbytes": layout_nbytes,
-                               "pid": os.getpid(), "start": own_identity()["start"], "device_index": device_index})
+                               **own_identity(), "device_index": device_index})
             except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
                 mine = as_status(e)
             infos = agree(op, group, gworld, mine)

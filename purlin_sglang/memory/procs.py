@@ -13,17 +13,25 @@ import os
 from typing import Optional
 
 
-def start_ticks(pid: int) -> Optional[int]:
-    """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``), or None where it cannot be
-    read (no such process, no /proc)."""
+def _stat(pid: int) -> Optional[list[bytes]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first), or None where
+    it cannot be read (no such process, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    try:  # the command name (field 2) is in parentheses and may hold spaces: count after its ')'
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
+    fields = stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces: count after its ')'
+    return fields if len(fields) > 19 else None
+
+
+def start_ticks(pid: int) -> Optional[int]:
+    """The start time of process ``pid`` (field 22 of ``/proc/<pid>/stat``), or None where it cannot be
+    read (no such process, no /proc)."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except ValueError:
         return None
 
 
@@ -46,13 +54,8 @@ def watchable(identities: dict[int, dict]) -> dict[int, tuple[int, int]]:
 
 def exited(pid: int, start: int) -> bool:
     """Whether the process (``pid``, ``start``) has exited: no such pid, or a different process under it.
-    A zombie (exited, not yet reaped) counts as exited."""
-    now = start_ticks(pid)
-    if now != start:
+    A zombie (exited, not yet reaped) counts as exited. One read of /proc."""
+    fields = _stat(pid)
+    if fields is None or fields[19] != str(start).encode():
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
+    return fields[0] in (b"Z", b"X")
