@@ -388,9 +388,13 @@ class Communicator:
         report a timeout lazily: at the next call on this rank, or here.
         """
         self._check_usable("synchronize")
-        self._engine.synchronize()
-        if self._moe is not None:
-            self._moe.synchronize()
+        try:
+            self._engine.synchronize()
+            if self._moe is not None:
+                self._moe.synchronize()
+        except PurlinError as e:
+            self._failed(e)
+            raise
 
     def pending_error(self) -> Optional[PurlinError]:
         """The error the device recorded for one of this rank's earlier calls and that its next call (or

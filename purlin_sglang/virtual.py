@@ -237,7 +237,10 @@ class LaunchGate:
         self.world, self.timeout_s = world, timeout_s
         self._counts = {"reach": [0] * world, "launch": [0] * world}
         self._failed: dict[int, str] = {}
-        self._calls: list = [None] * world  # per rank: (seq, fingerprint, description) of its latest call
+        # call number -> per rank: (seq, fingerprint, description, op, splits) of its entry. Kept by call
+        # number, not as each rank's latest call: a rank that raised and entered its next call must not
+        # hide its entry of this one from a slower peer's check
+        self._calls: dict[int, list] = {}
         self._rejects: dict[int, dict[int, str]] = {}  # call number -> {rank: its error}: arguments rejected
         self._cond = threading.Condition()
 
@@ -248,20 +251,23 @@ class LaunchGate:
         ``splits`` (an exchange's (input rows per peer, output rows per peer)): where two ranks disagree on
         the rows between them, every rank raises the same PurlinMismatchError naming both arguments."""
         with self._cond:
-            self._calls[rank] = (seq, fingerprint, what or op, op, splits)
+            self._calls.setdefault(seq, [None] * self.world)[rank] = (seq, fingerprint, what or op, op, splits)
+            for old in [s for s in self._calls if s < seq - 8]:  # every rank is past those calls
+                del self._calls[old]
         self._meet("reach", rank, seq, op)
         with self._cond:
             rejected = self._rejects.get(seq)
             if rejected:
                 raise rejected_error(op, dict(rejected), seq)
-            mine = self._calls[rank]
-            for peer, theirs in enumerate(self._calls):
-                if theirs is not None and theirs[0] == seq and theirs[1] != mine[1]:
+            calls = self._calls[seq]
+            mine = calls[rank]
+            for peer, theirs in enumerate(calls):
+                if theirs is not None and theirs[1] != mine[1]:
                     raise PurlinMismatchError(
                         mismatch_message(op, rank, peer, seq, _describe(mine), _describe(theirs)),
                         op=op, rank=rank, peer=peer)
-            if splits is not None and all(c is not None and c[0] == seq and c[4] for c in self._calls):
-                why = first_split_mismatch(op, [c[4][0] for c in self._calls], [c[4][1] for c in self._calls])
+            if splits is not None and all(c is not None and c[4] for c in calls):
+                why = first_split_mismatch(op, [c[4][0] for c in calls], [c[4][1] for c in calls])
                 if why is not None:
                     raise PurlinMismatchError(why, op=op, rank=rank)
 

@@ -203,3 +203,36 @@ def test_ranks_whose_exchange_splits_disagree_all_raise_naming_both_arguments():
     agreed = _run(world, lambda r: good.enter(r, 1, "all_to_all_v", 7, "x",
                                               (uneven[r], tuple(uneven[p][r] for p in range(world)))))
     assert agreed == [None] * world, agreed
+
+
+def test_a_slow_rank_still_sees_a_mismatch_after_its_peer_has_entered_the_next_call():
+    # rank 1 checks call 1 only after rank 0 raised there and entered call 2: rank 0's entry of call 1
+    # must still be what rank 1 compares with, so both raise and both then make call 2
+    world = 2
+    sends, expects = [(1, 1), (1, 1)], [(1, 1), (1, 2)]
+    rank0_in_call_2 = threading.Event()
+
+    class SlowCheck(LaunchGate):
+        def _meet(self, what, rank, seq, op):
+            super()._meet(what, rank, seq, op)
+            if what == "reach" and seq == 1 and rank == 1:
+                assert rank0_in_call_2.wait(5)  # rank 0 has raised and entered its next call
+
+        def enter(self, rank, seq, *args):
+            if seq == 2 and rank == 0:
+                rank0_in_call_2.set()
+            super().enter(rank, seq, *args)
+
+    gate, outcome = SlowCheck(world, 10), [None] * world
+
+    def body(r):
+        try:
+            gate.enter(r, 1, "all_to_all_v", 7, "x", (sends[r], expects[r]))
+            outcome[r] = "passed"
+        except PurlinMismatchError:
+            outcome[r] = "mismatch"
+        gate.enter(r, 2, "all_to_all_v", 7, "x", (sends[r], sends[r]))
+        gate.launched(r, 2, "all_to_all_v")
+
+    assert _run(world, body) == [None] * world
+    assert outcome == ["mismatch", "mismatch"], outcome

@@ -124,6 +124,7 @@ class CudaEngine:
     name = "cuda"
     packets = True  # runs the packet protocol (snac/packet.cuh): the selector may take algorithms that need it
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
+    _surfaced = False  # a recorded error was raised once: later calls raise PurlinBrokenError (check)
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
                  call_check: bool = False):
@@ -323,21 +324,23 @@ class CudaEngine:
             self._reject_causes[found] = text + (" [...]" if w[1] > 8 * (REJECT_WORDS - 2) else "")
 
     def synchronize(self) -> None:
-        """Wait for this rank's enqueued calls; raise a timeout one of them recorded. Blocks the host."""
+        """Wait for this rank's enqueued calls; raise an error one of them recorded. Blocks the host."""
         if self._stream is not None:
             self._stream.synchronize()
-        if self._err[0]:
-            self._raise_recorded()
+        self.check()
 
     def check(self) -> None:
-        """Raise a recorded timeout without waiting (no device sync)."""
-        if self._err[0]:
+        """Raise an error a kernel recorded, without waiting (no device sync): once, typed (a timeout, a
+        mismatch, a peer's rejection); the engine is broken from then on, so the callers' usability check
+        raises PurlinBrokenError quoting it at every later call."""
+        if self._err[0] and not self._surfaced:
             self._raise_recorded()
 
     def _raise_recorded(self) -> None:
         self._read_rejection()
         error = self.recorded_error()
         self.broken = self.broken or str(error)
+        self._surfaced = True
         raise error
 
     def recorded_error(self) -> Optional[PurlinError]:

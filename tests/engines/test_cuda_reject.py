@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from purlin_sglang import native
+from purlin_sglang import engines, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines.base import fold32
 from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinRejectedError
@@ -109,6 +109,9 @@ def test_a_rejecting_rank_stops_its_peers_who_raise_quoting_its_error(monkeypatc
         assert e.rank == 1 and e.cause == message and e.op == "all_reduce"
         assert f'rank 1 rejected its arguments of call #{seq}: "{message}"' in str(e) and "broken" in str(e)
         assert peer.broken
+        peer.check()  # raised once: the next call's usability check says the communicator is broken
+        with pytest.raises(PurlinBrokenError, match=f"all_reduce: the communicator is broken.*rank 1 rejected"):
+            engines.check_usable("all_reduce", peer, None)
 
 
 def test_a_long_message_is_cut_and_marked(monkeypatch):
@@ -137,5 +140,4 @@ def test_reject_never_raises_and_breaks_the_rank_even_when_it_cannot_tell_its_pe
     assert r0.broken and not ws.tensors[1].any()
     assert not _kernel_waits_for(r1, 0, 2, fp=9)  # nothing to meet: the peer would time out, as before
     with pytest.raises(PurlinBrokenError):
-        from purlin_sglang import engines
         engines.check_usable("all_reduce", r0, None)
