@@ -13,11 +13,13 @@
 //   route      every block counts my rows per global expert and my tokens per destination rank
 //              (shared-memory histograms over all ids), and for its own token range, 32 tokens at a
 //              time, warp 0 ranks each (t, k) among my slots of its expert (j, in (t, k) order) and
-//              each token among my tokens sent to a rank (its slot there); FP8: the other warps take
-//              each token's amax, scale = amax / 448 (1 for an all-zero row)
+//              each token among my tokens sent to a rank (its slot there)
 //   put rows   (token, part of the row) per warp: header + payload into slot [me][pos] of every
 //              destination's receive region (parity), each 16-byte unit read (and quantised) once and
-//              stored to every destination of the token
+//              stored to every destination of the token. FP8, scale = amax / 448 (1 for an all-zero
+//              row): a bf16 / fp16 row of up to kHeldRowBytes is read once by a group of four warps,
+//              held in registers from its amax to its quantisation (held_rows); other rows: the
+//              other warps take each token's amax before the puts, which read the row again
 //   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
 //              count word [epoch, tokens, meta, rows per its local expert], epoch last (release)
 //   wait       threads 0..world-1 poll my count words of epoch e (bounded by timeout_ns)
@@ -51,6 +53,12 @@ struct MoeConfig {
   static constexpr int kChunk = 32;  // tokens routed per step: one per lane of warp 0
   static constexpr int kMaxTopk = 32;
   static constexpr float kFp8Max = 448.0f;  // largest finite e4m3
+  // FP8 rows read once: a group of kHeldWarps warps holds a token's row in registers (kHeldInt4 16-byte
+  // loads a lane, kHeldRowBytes of input at most) from its amax to its quantisation
+  static constexpr int kHeldWarps = 4;
+  static constexpr int kHeldLanes = kHeldWarps * 32;
+  static constexpr int kHeldInt4 = 8;
+  static constexpr long long kHeldRowBytes = kHeldLanes * kHeldInt4 * 16;
 };
 
 // StateWord and ErrorCode: purlin/encoding.h (exported by purlin_native_layout).
@@ -241,6 +249,7 @@ struct DispatchShared {
   } u;
   unsigned long long mask[MoeConfig::kChunk];  // destination ranks of each chunk token
   float scale[MoeConfig::kChunk];
+  float amax[2][MoeConfig::kWarps];  // held rows: each warp's part of its token's amax (two tokens in turn)
   long long e;
   int flag, fail, bad, nbad;
 };
@@ -404,18 +413,128 @@ __device__ __forceinline__ float row_amax(const T* row, long long hidden, int la
 // Unit u (16 bytes on the wire) of token t's row: the input's bytes, or 16 elements quantised to FP8
 // (x / scale, rounded to nearest, saturating: bitwise the CPU engine's quantize_fp8).
 template <class T>
-__device__ __forceinline__ int4 fp8_unit(const T* row, long long u, float scale) {
-  constexpr int kIn = 16 * sizeof(T) / 16;  // int4 loads per 16 elements
-  int4 raw[kIn];
-  const int4* src = reinterpret_cast<const int4*>(row) + u * kIn;
-#pragma unroll
-  for (int i = 0; i < kIn; ++i) raw[i] = src[i];
+__device__ __forceinline__ int4 fp8_pack(const int4* raw, float scale) {  // 16 elements: sizeof(T) int4
   const T* e = reinterpret_cast<const T*>(raw);
   int4 out;
   unsigned char* o = reinterpret_cast<unsigned char*>(&out);
 #pragma unroll
   for (int k = 0; k < 16; ++k) o[k] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f<T>(e[k]), scale), __NV_SATFINITE, __NV_E4M3);
   return out;
+}
+
+template <class T>
+__device__ __forceinline__ int4 fp8_unit(const T* row, long long u, float scale) {
+  constexpr int kIn = 16 * sizeof(T) / 16;  // int4 loads per 16 elements
+  int4 raw[kIn];
+  const int4* src = reinterpret_cast<const int4*>(row) + u * kIn;
+#pragma unroll
+  for (int i = 0; i < kIn; ++i) raw[i] = src[i];
+  return fp8_pack<T>(raw, scale);
+}
+
+__device__ __forceinline__ float fp8_scale(float amax) { return amax > 0.0f ? __fdiv_rn(amax, MoeConfig::kFp8Max) : 1.0f; }
+
+// A lane's share of a token's row of 16-bit elements (bf16 or fp16), held in registers: output units
+// (16 elements, 16 bytes of FP8) gl + i * kHeldLanes of the row, for gl its lane in the group. One type
+// for both element types (a uniform branch per unit), so that the kernel holds one copy of the rows.
+struct HeldRow {
+  static constexpr int kIn = 2;  // int4 loads per output unit
+  static constexpr int kUnits = MoeConfig::kHeldInt4 / kIn;
+  int4 raw[MoeConfig::kHeldInt4];
+
+  // Every load at once; the lane's amax of what it holds (0 for none).
+  __device__ __forceinline__ float load(const char* row, long long units, int gl, bool bf16) {
+    const int4* src = reinterpret_cast<const int4*>(row);
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const long long u = gl + static_cast<long long>(i) * MoeConfig::kHeldLanes;
+#pragma unroll
+      for (int j = 0; j < kIn; ++j) {
+        if (u < units) raw[i * kIn + j] = src[u * kIn + j];
+      }
+    }
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      if (gl + static_cast<long long>(i) * MoeConfig::kHeldLanes < units) {
+        if (bf16) {
+          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw[i * kIn]);
+#pragma unroll
+          for (int k = 0; k < 16; ++k) m = fmaxf(m, fabsf(to_f(e[k])));
+        } else {
+          const __half* e = reinterpret_cast<const __half*>(&raw[i * kIn]);
+#pragma unroll
+          for (int k = 0; k < 16; ++k) m = fmaxf(m, fabsf(to_f(e[k])));
+        }
+      }
+    }
+    return m;
+  }
+  __device__ __forceinline__ void quantise(float scale, bool bf16, int4 (&q)[kUnits]) const {
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      q[i] = bf16 ? fp8_pack<__nv_bfloat16>(&raw[i * kIn], scale) : fp8_pack<__half>(&raw[i * kIn], scale);
+    }
+  }
+};
+
+// Named barrier of the kHeldLanes threads of held-row group g (barrier 0 is __syncthreads'; g < 4).
+__device__ __forceinline__ void group_sync(int g) {
+  switch (g) {
+    case 0: asm volatile("bar.sync 1, %0;" ::"n"(MoeConfig::kHeldLanes) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;" ::"n"(MoeConfig::kHeldLanes) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;" ::"n"(MoeConfig::kHeldLanes) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"n"(MoeConfig::kHeldLanes) : "memory"); break;
+  }
+}
+static_assert(MoeConfig::kWarps / MoeConfig::kHeldWarps <= 4, "group_sync names barriers 1..4");
+
+// FP8 rows of bf16 or fp16 that kHeldRowBytes hold (the others take token_scale, then wire_unit: the row
+// read twice).
+__device__ __forceinline__ bool rows_held(const PurlinMoeParams& p) {
+  return p.quant && p.x_dtype != PURLIN_DTYPE_FLOAT32 && p.payload_bytes * 2 <= MoeConfig::kHeldRowBytes;
+}
+
+// Every warp of the block: chunk tokens [0, n) (tokens c0 + tt) read once and quantised by groups of
+// kHeldWarps warps, a token per group at a time: each lane loads its units, the group's amax is met in
+// shared memory, then `store(tt, t, gw, gl, lane, scale, q)` stores the lane's FP8 units q (unit gl + i *
+// kHeldLanes of the row) wherever the path puts them (gw: the warp's index in its group).
+template <class Store>
+__device__ inline void held_rows(const PurlinMoeParams& p, DispatchShared& s, long long c0, int n, Store store) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int groups = (blockDim.x >> 5) / MoeConfig::kHeldWarps, g = warp / MoeConfig::kHeldWarps;
+  const int gw = warp % MoeConfig::kHeldWarps, gl = gw * 32 + lane;
+  if (g >= groups) return;
+  const long long hidden = p.payload_bytes, units = hidden / 16;
+  const bool bf16 = p.x_dtype == PURLIN_DTYPE_BFLOAT16;
+  int buf = 0;
+  for (int tt = g; tt < n; tt += groups, buf ^= 1) {  // a buffer per turn: one barrier a token suffices
+    const long long t = c0 + tt;
+    HeldRow row;
+    float m = row.load(static_cast<const char*>(p.x) + t * hidden * 2, units, gl, bf16);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) s.amax[buf][warp] = m;
+    group_sync(g);
+    float amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MoeConfig::kHeldWarps; ++w) amax = fmaxf(amax, s.amax[buf][g * MoeConfig::kHeldWarps + w]);
+    const float scale = fp8_scale(amax);
+    int4 q[HeldRow::kUnits];
+    row.quantise(scale, bf16, q);
+    store(tt, t, gw, gl, lane, scale, q);
+  }
+}
+
+// A lane's FP8 units q of a held row to the row at dst (one of the token's destinations).
+template <int N>
+__device__ __forceinline__ void store_held(char* dst, const int4 (&q)[N], int gl, long long units) {
+  int4* out = reinterpret_cast<int4*>(dst);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const long long u = gl + static_cast<long long>(i) * MoeConfig::kHeldLanes;
+    if (u < units) out[u] = q[i];
+  }
 }
 
 __device__ __forceinline__ int4 wire_unit(const PurlinMoeParams& p, long long t, long long u, float scale) {
@@ -441,7 +560,7 @@ __device__ __forceinline__ float token_scale(const PurlinMoeParams& p, long long
     case PURLIN_DTYPE_FLOAT16: amax = row_amax(reinterpret_cast<const __half*>(x) + t * hidden, hidden, lane); break;
     default: amax = row_amax(reinterpret_cast<const float*>(x) + t * hidden, hidden, lane); break;
   }
-  return amax > 0.0f ? __fdiv_rn(amax, MoeConfig::kFp8Max) : 1.0f;
+  return fp8_scale(amax);
 }
 
 // My slot base in rank d's receive region for the chunk token tt (rows go to [me][pos]).
@@ -508,17 +627,34 @@ __device__ inline void put_rows(const PurlinMoeParams& p, DispatchShared& s, int
                                 long long E) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const long long units = p.payload_bytes / 16;
+  const bool held = rows_held(p);
   for (long long c0 = t0; c0 < t1; c0 += MoeConfig::kChunk) {
     const int n = int(min(static_cast<long long>(MoeConfig::kChunk), t1 - c0));
     if (warp == 0) {
       route_chunk(p, s, c0, n, lane, E);
-    } else if (p.quant) {
+    } else if (p.quant && !held) {
       for (int tt = warp - 1; tt < n; tt += nwarps - 1) {
         const float sc = token_scale(p, c0 + tt, lane);
         if (lane == 0) s.scale[tt] = sc;
       }
     }
     __syncthreads();
+    if (held) {  // FP8: each row read once, the header written by the group's first warp once the scale is known
+      held_rows(p, s, c0, n, [&](int tt, long long t, int gw, int gl, int ln, float scale, const auto& q) {
+        if (gw == 0) {
+          if (ln == 0) s.scale[tt] = scale;
+          __syncwarp();
+          put_header(p, s, par, tt, t, E, ln);
+        }
+        const unsigned long long rot = rotated(s.mask[tt], p.rank, p.world);
+        for (unsigned long long m = rot; m; m &= m - 1) {
+          const int d = int((__ffsll(static_cast<long long>(m)) - 1 + p.rank + 1) % p.world);
+          store_held(recv_slot(p, s, par, tt, d) + p.hdr_bytes, q, gl, units);
+        }
+      });
+      __syncthreads();
+      continue;
+    }
     // (token, part) items: a token's row is split so that every warp has work when the chunk is short
     const int parts = max(1, nwarps / n);
     const long long per = (units + parts - 1) / parts;
@@ -827,7 +963,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
 //   put        (token, part of its row) per warp: each 16-byte unit read (and quantised) once and stored to
 //              every (token, k) row at its receiver: le * W * cap_d + offset + j (j >= cap_d: not written, the
 //              receiver records the overflow); the part at unit 0 also writes the row's expert, source,
-//              slot and scale there; out_ref[t, k] = d << 32 | row for the combine
+//              slot and scale there; out_ref[t, k] = d << 32 | row for the combine. FP8 rows as in the
+//              receive-slot path: read once where held_rows holds them
 //   delivered  the last block to arrive writes ddone[me] = e in every rank's region (release)
 //   pad        each block, for its local experts: out_counts, padding rows (expert -1), overflow records
 //   wait       threads poll ddone[q] >= e for every q: every row of mine has landed
@@ -884,24 +1021,29 @@ __device__ inline void route_chunk_one_pass(const PurlinMoeParams& p, DispatchSh
 
 // Warp: units [u0, u1) of chunk token tt (token t) to each of its rows at their receivers, each unit read
 // once; the part at unit 0 also writes the rows' expert, source, slot and scale.
-__device__ inline void put_one_pass(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
-                                  long long u0, long long u1, int lane) {
+// Lane k < topk of a warp: where row (t, k) of chunk token tt goes at its receiver (nullptr: nowhere);
+// with `meta`, also the row's expert, source, slot and scale there.
+__device__ __forceinline__ char* one_pass_row(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt,
+                                              long long t, bool meta, float scale, int lane) {
   const long long K = p.topk;
   const long long ref = lane < K ? s.u.route.ref[tt * K + lane] : -1;
-  char* dst = nullptr;
-  if (ref >= 0) {
-    const PtrBlock* b = ptr_block(p, ref >> 32, par);
-    const long long row = ref & 0xffffffffll;
-    dst = reinterpret_cast<char*>(b->out_x) + row * p.payload_bytes;
-    if (u0 == 0) {
-      reinterpret_cast<int*>(b->out_expert)[row] = int(load_id(p, t * K + lane) % p.local);
-      reinterpret_cast<int*>(b->out_src)[row] = int(p.rank);
-      reinterpret_cast<long long*>(b->out_slot)[row] = t * K + lane;
-      if (b->out_scales != 0) reinterpret_cast<float*>(b->out_scales)[row] = p.quant ? s.scale[tt] : 1.0f;
-    }
+  if (ref < 0) return nullptr;
+  const PtrBlock* b = ptr_block(p, ref >> 32, par);
+  const long long row = ref & 0xffffffffll;
+  if (meta) {
+    reinterpret_cast<int*>(b->out_expert)[row] = int(load_id(p, t * K + lane) % p.local);
+    reinterpret_cast<int*>(b->out_src)[row] = int(p.rank);
+    reinterpret_cast<long long*>(b->out_slot)[row] = t * K + lane;
+    if (b->out_scales != 0) reinterpret_cast<float*>(b->out_scales)[row] = scale;
   }
-  const unsigned full = 0xffffffffu, has = __ballot_sync(full, dst != nullptr);
+  return reinterpret_cast<char*>(b->out_x) + row * p.payload_bytes;
+}
+
+__device__ inline void put_one_pass(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
+                                  long long u0, long long u1, int lane) {
   const float scale = p.quant ? s.scale[tt] : 1.0f;
+  char* dst = one_pass_row(p, s, par, tt, t, u0 == 0, scale, lane);
+  const unsigned full = 0xffffffffu, has = __ballot_sync(full, dst != nullptr);
   constexpr int kUnroll = 4;
   for (long long b0 = u0; b0 < u1; b0 += 32 * kUnroll) {  // the same trip count in every lane (shuffles)
     const long long u = b0 + lane;
@@ -973,17 +1115,30 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
     __syncthreads();
     // put: kChunk tokens at a time, a (token, part of its row) per warp
     const long long units = p.payload_bytes / 16;
+    const bool held = rows_held(p);
     for (long long c0 = t0; c0 < t1; c0 += MoeConfig::kChunk) {
       const int n = int(min(static_cast<long long>(MoeConfig::kChunk), t1 - c0));
       if (warp == 0) {
         route_chunk_one_pass(p, s, par, c0, n, lane, E);
-      } else if (p.quant) {
+      } else if (p.quant && !held) {
         for (int tt = warp - 1; tt < n; tt += nwarps - 1) {
           const float sc = token_scale(p, c0 + tt, lane);
           if (lane == 0) s.scale[tt] = sc;
         }
       }
       __syncthreads();
+      if (held) {  // FP8: each row read once; the group's first warp writes the rows' metadata
+        held_rows(p, s, c0, n, [&](int tt, long long t, int gw, int gl, int ln, float scale, const auto& q) {
+          char* dst = one_pass_row(p, s, par, tt, t, gw == 0, scale, ln);
+          const unsigned full = 0xffffffffu;
+          for (unsigned m = __ballot_sync(full, dst != nullptr); m; m &= m - 1) {
+            char* out = reinterpret_cast<char*>(__shfl_sync(full, reinterpret_cast<long long>(dst), __ffs(m) - 1));
+            store_held(out, q, gl, units);
+          }
+        });
+        __syncthreads();
+        continue;
+      }
       const int parts = max(1, nwarps / n);
       const long long per = (units + parts - 1) / parts;
       for (int it = warp; it < n * parts; it += nwarps) {

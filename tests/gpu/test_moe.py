@@ -199,6 +199,28 @@ def test_long_token_ranges_route_in_chunks(xdtype, qdtype):
         check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=qdtype)
 
 
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hidden", [7168, 8192, 8320])
+def test_fp8_rows_of_model_widths(xdtype, hidden):
+    """FP8 from 16-bit rows of model widths: 7168 and 8192 are read once (a group of four warps holds the row in
+    registers from its amax to its quantisation; at 7168 some lanes hold fewer units than others), 8320 is past
+    what the registers hold and is read twice. 150 tokens per rank (several tokens per group and block), a
+    row of zeros (scale 1) and a row whose amax is its one negative spike; bitwise the reference, scales
+    included, exact and capacity layouts."""
+    world, experts, topk = 2, 8, 4
+    xs, ids, ws = make_case(world, experts, topk, hidden, xdtype, 71 + hidden % 7, max_tokens=150, fixed_tokens=True)
+    xs[0][3] = 0
+    xs[1][5] = xs[1][5] / 100
+    xs[1][5][hidden // 3] = -7.5
+    cap = max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts))
+    big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": 150}}
+    for capacity in (None, cap):
+        barrier = threading.Barrier(world)
+        res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, FP8, None, barrier),
+                             device="cuda", config=big)
+        check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=FP8)
+
+
 def test_bad_combine_on_one_rank_ends_every_ranks_combine():
     """Rank 1's combine arguments are bad: it raises its own error; rank 0 raises naming rank 1 well inside
     timeout_s (its kernel saw the reject bit), and the next pair is correct on both."""
