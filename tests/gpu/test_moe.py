@@ -190,8 +190,14 @@ def test_long_token_ranges_route_in_chunks(xdtype, qdtype):
     world, experts, topk = 2, 6, 3
     xs, ids, ws = make_case(world, experts, topk, H, xdtype, 51 + int(qdtype is None), max_tokens=1100,
                             fixed_tokens=True)
+    _exact_and_capacity_rows(world, xs, ids, ws, experts, 1100, qdtype)
+
+
+def _exact_and_capacity_rows(world, xs, ids, ws, experts, max_tokens, qdtype):
+    """The case run with exact rows, then with capacity rows (the routing's largest (source, expert) count),
+    each checked against the reference, bitwise."""
     cap = max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts))
-    big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": 1100}}
+    big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": max_tokens}}
     for capacity in (None, cap):
         barrier = threading.Barrier(world)
         res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier),
@@ -212,13 +218,7 @@ def test_fp8_rows_of_model_widths(xdtype, hidden):
     xs[0][3] = 0
     xs[1][5] = xs[1][5] / 100
     xs[1][5][hidden // 3] = -7.5
-    cap = max(int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts))
-    big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": 150}}
-    for capacity in (None, cap):
-        barrier = threading.Barrier(world)
-        res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, FP8, None, barrier),
-                             device="cuda", config=big)
-        check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=FP8)
+    _exact_and_capacity_rows(world, xs, ids, ws, experts, 150, FP8)
 
 
 def test_bad_combine_on_one_rank_ends_every_ranks_combine():
