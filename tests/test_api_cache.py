@@ -274,6 +274,25 @@ def test_recorded_timeout_raises_on_a_cache_hit():
     comm.close()
 
 
+def test_a_recorded_error_raised_by_synchronize_releases_a_process_groups_memory_at_once(monkeypatch):
+    class RecordedWhileWaiting(RecordingEngine):
+        """The kernel records its timeout while synchronize() waits for the stream (not before)."""
+
+        def synchronize(self) -> None:
+            self.timeout = "all_reduce: rank 0 waited 10s at op #1 (notify wait)"
+            self.check()
+
+    eng = RecordedWhileWaiting()
+    comm = comm_over(eng)
+    comm.group = "a process group"  # a broken communicator of a process group releases its memory (closes)
+    closed = []
+    monkeypatch.setattr(comm, "close", lambda: closed.append(True))
+    comm.all_reduce(x4(8))
+    with pytest.raises(PurlinTimeoutError, match="waited 10s"):
+        comm.synchronize()
+    assert closed == [True] and eng.broken  # at once, not at the next call
+
+
 def test_cached_calls_hand_the_engine_the_same_schedule_fingerprint_and_fresh_sequence():
     eng = RecordingEngine()
     comm = comm_over(eng, world=4, rank=1)
