@@ -502,7 +502,9 @@ def run_virtual(world_size: int, fn: Callable[[Communicator], Any], device: Any 
     before the ranks start (plus a few MiB of small blocks). Loopback ranks share one CUDA context,
     and a cudaMalloc in one rank while its peers' kernels wait for that rank's next launch stalls
     until their timeout; eager code in ``fn`` (MoE calls, expert computations) that allocates more
-    than this per rank should raise it.
+    than this per rank should raise it. When the world ends (every rank's kernels done), torch's
+    unused cached memory goes back to the driver (``torch.cuda.empty_cache()``): blocks cached for
+    the rank streams could serve no later stream.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PurlinValueError(f"run_virtual: world_size must be a positive int, got {world_size!r}")

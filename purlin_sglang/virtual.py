@@ -156,6 +156,12 @@ def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callab
         vworld.close()
         if cuda and not any(t.is_alive() for t in threads):
             release_streams()  # (a rank thread still alive keeps its stream: leaked, not freed under it)
+            # torch caches freed blocks per stream: those of the rank streams (the reserve among them) can
+            # serve no later stream, so worlds made one after another would pile them up until an
+            # allocation fails and torch frees its cache mid-run, a device-wide wait that a spinning
+            # kernel turns into a hang (or a failed graph capture). Back to the driver now, while no
+            # kernel runs; torch's other unused cached blocks go with them.
+            torch.cuda.empty_cache()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed

@@ -239,17 +239,18 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
     if device.type == "cuda" and "reserve_bytes" in inspect.signature(run_virtual).parameters:
         # loopback ranks share one CUDA context: a rank's cudaMalloc while peers' kernels wait for it
         # stalls, so each rank's eager peak is reserved up front (run_virtual's reserve_bytes)
-        extra["reserve_bytes"] = reserve_bytes(args, tokens, capacity)
+        extra["reserve_bytes"] = reserve_bytes(args, tokens, capacity, with_reference)
     per_rank = run_virtual(world, fn, device=device, config=cfg, **extra)
     return {"inputs": inputs, "capacity": capacity, "ranks": per_rank}
 
 
-def reserve_bytes(args, tokens: int, capacity: int | None) -> int:
-    """An upper estimate of one rank's eager allocations in ``_config_run`` (bytes)."""
+def reserve_bytes(args, tokens: int, capacity: int | None, with_reference: bool = True) -> int:
+    """An upper estimate of one rank's eager allocations in ``_config_run`` (bytes); the torch
+    reference's only where it runs."""
     h, k, w = args.hidden, args.topk, args.world
     rows = args.experts * (capacity or tokens)  # expert rows: L * W * capacity (exact rows are fewer)
     purlin = rows * h * 2 * 2 + 8192 * h * 4 + tokens * h * 2 * 4
-    reference = w * tokens * h * (2 + 4 + 2) + 8192 * h * (2 + 4 + 4) + tokens * w * k * 16
+    reference = w * tokens * h * (2 + 4 + 2) + 8192 * h * (2 + 4 + 4) + tokens * w * k * 16 if with_reference else 0
     return int(1.25 * (purlin + reference)) + (256 << 20)
 
 
