@@ -5,7 +5,8 @@ Two processes on one GPU (CUDA IPC between them, time-sliced: few calls). The vi
 call behind a spin kernel (``torch.cuda._sleep``), so the call has been entered on the host but its
 kernel has not run when the process is killed: its peer's kernel waits for signals that never come.
 The survivor must raise ``PurlinTimeoutError`` naming the dead rank within ``timeout_s`` (plus the
-time-slicing's slack), its kernel must have exited (the device synchronizes at once afterwards: no
+time-slicing's slack), ``lost_peers()`` must name that rank while the call is still outstanding (what
+SGLang's plugin logs), its kernel must have exited (the device synchronizes at once afterwards: no
 GPU left spinning), no process may hang, and new communicators on the same GPU must work: in the
 survivor's own process (two virtual ranks) and in a fresh group of two processes.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -41,14 +43,28 @@ def _survive(comm, call) -> dict:
     import purlin_sglang as ps
     from purlin_sglang.errors import PurlinError
 
-    err = None
+    err, seen, stop = None, {}, threading.Event()
+
+    def watch():  # what SGLang's plugin's error watch reads while the call is outstanding
+        while not stop.is_set():
+            lost = comm.lost_peers()
+            if lost:
+                seen.update(lost=dict(lost), at=time.monotonic() - t0)
+                return
+            time.sleep(0.05)
+
     t0 = time.monotonic()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         call()
         torch.cuda.current_stream().synchronize()
         comm.synchronize()
     except PurlinError as e:
         err = e
+    finally:
+        stop.set()
+        watcher.join(5)
     elapsed = time.monotonic() - t0
     t1 = time.monotonic()
     torch.cuda.synchronize()  # returns at once only if no kernel of this process still spins
@@ -62,7 +78,8 @@ def _survive(comm, call) -> dict:
     fresh_ok = ps.run_virtual(2, fresh, device="cuda", config={"timeout_s": 10}) == [True, True]
     return {"error": type(err).__name__ if err else None, "message": str(err) if err else "",
             "rank": getattr(err, "rank", None), "missing": tuple(getattr(err, "missing", ()) or ()),
-            "elapsed": elapsed, "idle_s": idle_s, "fresh_ok": fresh_ok}
+            "elapsed": elapsed, "idle_s": idle_s, "fresh_ok": fresh_ok, "lost": seen.get("lost"),
+            "lost_at": seen.get("at")}
 
 
 def _killed_in_call(rank, world, mode):
@@ -133,5 +150,8 @@ def test_a_rank_killed_in_a_call_times_out_its_peer_whose_kernel_exits(mode):
     assert r["elapsed"] < TIMEOUT_S + 5, r  # within timeout_s (plus the time-slicing's slack)
     assert r["idle_s"] < 1.0, r  # the survivor's kernel has exited: nothing of it still spins
     assert r["fresh_ok"], r  # a new communicator in the survivor's process works
+    # while its call was outstanding, lost_peers() named the dead rank (its pid), before the timeout ended it
+    assert r["lost"] is not None and list(r["lost"]) == [VICTIM] and r["lost"][VICTIM] > 0, r
+    assert r["lost_at"] < r["elapsed"] + 0.5, r
     assert wall < 150, wall  # no process hung
     assert launch(_fresh_group, 2, timeout_s=120, env=ENV) == [True, True]  # and a new group of processes
