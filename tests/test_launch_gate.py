@@ -206,8 +206,8 @@ def test_ranks_whose_exchange_splits_disagree_all_raise_naming_both_arguments():
 
 
 def test_a_slow_rank_still_sees_a_mismatch_after_its_peer_has_entered_the_next_call():
-    # rank 1 checks call 1 only after rank 0 raised there and entered call 2: rank 0's entry of call 1
-    # must still be what rank 1 compares with, so both raise and both then make call 2
+    # rank 1 checks the first call only after rank 0 raised there and entered the second: rank 0's entry
+    # of the first must still be what rank 1 compares with, so both raise and both then make the second
     world = 2
     sends, expects = [(1, 1), (1, 1)], [(1, 1), (1, 2)]
     rank0_in_call_2 = threading.Event()
