@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from datetime import timedelta
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
@@ -23,9 +24,9 @@ from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
     REDUCE_SCATTER_V, CollectiveSpec,
 )
-from .engines.base import CallContext
+from .engines.base import CallContext, first_split_mismatch
 from .snac.table import TableInUse
-from .errors import PurlinError, PurlinPlanError, PurlinValueError
+from .errors import PurlinError, PurlinMismatchError, PurlinPlanError, PurlinTimeoutError, PurlinValueError
 from .memory import bootstrap, setup_phase
 from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
@@ -294,6 +295,8 @@ class Communicator:
         if call is not None:  # a call shape seen (and valid) before: its cached schedule
             self._check_usable(call.name)
             out = got
+            if call.splits is not None and self._host_split_check():
+                self._check_splits(call.name, call.splits)
             launch = call.launch
             if launch:  # the steady state: the engine's prepared launch of this shape, one native call
                 self._seq += 1
@@ -310,6 +313,8 @@ class Communicator:
                 call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
             except PurlinValueError as e:
                 self._announce(name, e)
+            if call.splits is not None and self._host_split_check():
+                self._check_splits(call.name, call.splits)
         self._seq += 1
         ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info, call.splits)
         self._execute(ctx, call.sched)
@@ -319,6 +324,45 @@ class Communicator:
             bind = getattr(self._engine, "bind", None) if self._gate is None else None
             call.launch = bind(call.sched, ctx) if bind is not None else False
         return out
+
+    def _host_split_check(self) -> bool:
+        """Whether this rank compares an exchange's splits with its peers over the host group before the
+        call (config ``split_check``): a process group over gloo whose engine cannot see them (CUDA)."""
+        if self.group is None or self.world_size == 1 or getattr(self._engine, "checks_splits", True):
+            return False
+        if not self.config.split_check:
+            return False
+        import torch.distributed as dist
+
+        return dist.get_backend(self.group) == "gloo"
+
+    def _check_splits(self, op: str, splits: tuple) -> None:
+        """Every rank's (input rows per peer, output rows per peer) of this call, over the host group (one
+        gloo all-gather of 2 x world integers, its wait bounded by ``timeout_s``): where two ranks disagree
+        on the rows between them, every rank raises the same PurlinMismatchError naming both arguments,
+        before anything moves and before the call number is spent, so the communicator stays usable. A
+        peer that never makes the call is a PurlinTimeoutError (the group's exchanges are out of step
+        then: the communicator is broken)."""
+        import torch.distributed as dist
+
+        world = self.world_size
+        mine = torch.tensor([*splits[0], *splits[1]], dtype=torch.int64)
+        got = [torch.empty_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(got, mine, group=self.group, async_op=True).wait(
+                timeout=timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as e:  # gloo: "Operation timed out!", or a peer's connection closed
+            error = PurlinTimeoutError(
+                f"{op}: rank {self.rank} waited {self.config.timeout_s:g}s (timeout_s) for its peers to compare the "
+                f"splits of call #{self._seq + 1} over the host group ({e}): a rank did not make this call, or "
+                "has died; the communicator is broken (create a new one on every rank)", op=op, rank=self.rank)
+            self._engine.mark_broken(str(error))
+            self._failed(error)
+            raise error from None
+        rows = [g.tolist() for g in got]
+        why = first_split_mismatch(op, [r[:world] for r in rows], [r[world:] for r in rows])
+        if why is not None:
+            raise PurlinMismatchError(why, op=op, rank=self.rank)
 
     def _announce(self, op: str, error: PurlinValueError) -> NoReturn:
         """This rank rejected its own arguments of a collective: where the ranks can hear it (the CPU

@@ -120,6 +120,14 @@ class PurlinConfig(ConfigModel):
       graph, medians of 3 alternating rounds): 8 KiB at 8 ranks 6.59 us on, 6.61 off; at 1 and 2
       ranks +0.08 and +0.12 us; nothing visible on the staged one-shot. ``false`` makes a mismatch a
       timeout. The CPU engine and loopback eager calls always check.
+    * ``split_check`` (true): a CUDA process group compares the ranks' ``all_to_all_v`` splits over
+      its host (gloo) group before each such call (under graph capture: at capture, not per replay):
+      splits that disagree (rank p sends n rows to q, q expects m from p) raise the same
+      ``PurlinMismatchError`` on every rank, naming both arguments, before any row moves, and the
+      communicator stays usable. Costs a host round trip per eager ``all_to_all_v`` (one gloo
+      all-gather of 2 x world integers, its wait bounded by ``timeout_s``). ``false``: a disagreement
+      is a short copy or a timeout. The CPU engine and loopback eager calls always check; groups whose
+      backend is not gloo are not checked (their wait could not be bounded).
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
     * ``moe``: :class:`MoESettings` (MoE dispatch and combine).
     * ``topology``: :class:`TopologySettings` (which node each rank runs on).
@@ -132,6 +140,7 @@ class PurlinConfig(ConfigModel):
     shm_dir: str = Field("/dev/shm", min_length=1)
     deterministic: bool = True
     device_call_check: bool = True
+    split_check: bool = True
     tuning: TuningPolicy = Field(default_factory=TuningPolicy)
     moe: MoESettings = Field(default_factory=MoESettings)
     topology: TopologySettings = Field(default_factory=TopologySettings)

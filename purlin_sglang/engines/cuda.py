@@ -125,6 +125,7 @@ class CudaEngine:
     packets = True  # runs the packet protocol (snac/packet.cuh): the selector may take algorithms that need it
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
     _surfaced = False  # a recorded error was raised once: later calls raise PurlinBrokenError (check)
+    checks_splits = False  # ranks that disagree on all_to_all_v splits are not seen by the kernels (config split_check)
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
                  call_check: bool = False):

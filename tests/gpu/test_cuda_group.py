@@ -198,6 +198,27 @@ def _reject_worker(rank, world, memory, timeout):
     return outcome, after, _closed_then_a_fresh_one(comm, cfg, rank)
 
 
+def _splits_worker(rank, world, memory):
+    import purlin_sglang as ps
+
+    cfg, comm, _ = _after_one_call(memory, 20.0)
+    send = [rank + q + 1 for q in range(world)]  # rank p sends p + q + 1 rows to rank q
+    recv = [p + rank + 1 for p in range(world)]
+    bad = [n + (rank == 1 and p == 0) for p, n in enumerate(recv)]  # rank 1 expects one row more from rank 0
+    x = torch.arange(sum(send), dtype=torch.float32, device=comm.device) + 100 * rank
+    t0 = time.monotonic()
+    try:
+        comm.all_to_all_v(x, send, bad)
+        comm.synchronize()
+        err = None
+    except ps.PurlinMismatchError as e:
+        err = str(e)
+    elapsed = time.monotonic() - t0
+    y = comm.all_to_all_v(x, send, recv)  # usable: the next call is the next call on both ranks
+    comm.synchronize()
+    return err, elapsed, y.cpu().tolist(), _closed_then_a_fresh_one(comm, cfg, rank)
+
+
 def _mismatch_worker(rank, world, memory):
     import purlin_sglang as ps
     from purlin_sglang.errors import PurlinConfigError
@@ -303,6 +324,22 @@ def test_a_rank_that_rejects_its_arguments_stops_its_peer_at_once():
     assert elapsed < 2.0, elapsed  # not the 20 s timeout
     assert after0 == after1 == "broken"
     assert again0 == again1 == [3.0] * 8
+
+
+def test_disagreeing_all_to_all_v_splits_raise_on_both_ranks_naming_both_and_the_group_stays_usable():
+    """The host split check (config split_check) of a CUDA process group: rank 1 expects one row more from rank 0
+    than rank 0 sends; both ranks raise the same PurlinMismatchError naming both arguments before anything
+    moves, then a correct all_to_all_v gives the right rows on both."""
+    res = launch(_splits_worker, 2, "ipc", timeout_s=120, env=ENV)
+    want = ("all_to_all_v: rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 expects 3 rows from "
+            "rank 0 (its output_splits[0])")
+    rows = {p: [float(v + 100 * p) for v in range(sum(p + q + 1 for q in range(2)))] for p in range(2)}
+    for r, (err, elapsed, y, again) in enumerate(res):
+        assert err is not None and want in err, (r, err)
+        assert elapsed < 5.0, (r, elapsed)
+        start = {p: sum(p + q + 1 for q in range(r)) for p in range(2)}
+        assert y == [v for p in range(2) for v in rows[p][start[p]:start[p] + p + r + 1]], (r, y)
+        assert again == [3.0] * 8
 
 
 def test_config_mismatch_is_refused_on_every_rank():
