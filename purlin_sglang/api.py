@@ -19,14 +19,15 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 
 from . import engines
-from .calls import CacheInfo, CallPath, check_device, check_group, coerce_config, one_of
+from .calls import CacheInfo, CallPath, check_device, check_group, coerce_config, is_exchange, one_of
 from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
     REDUCE_SCATTER_V, CollectiveSpec,
 )
 from .engines.base import CallContext, first_split_mismatch
 from .snac.table import TableInUse
-from .errors import PurlinError, PurlinMismatchError, PurlinPlanError, PurlinTimeoutError, PurlinValueError
+from .errors import (PurlinError, PurlinMismatchError, PurlinPlanError, PurlinTimeoutError, PurlinValueError,
+                     rejected_error, text_words, words_text)
 from .memory import bootstrap, setup_phase
 from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
@@ -36,12 +37,15 @@ from .multinode.communicator import TwoLevel, become
 from .multinode.layout import NodeLayout
 from .virtual import VirtualWorld, run_world
 
+SPLIT_CAUSE_WORDS = 32  # a rejected exchange's message in the split check's row: 256 bytes of UTF-8
+
 
 class Communicator:
     """A group of ranks that run collectives together.
 
     ``group`` is a torch.distributed process group (a gloo CPU group is enough; it
-    is used only to set up shared memory). ``device`` is ``"cpu"`` or a CUDA
+    sets up shared memory, and a CUDA process group compares its ``all_to_all_v`` splits over it:
+    config ``split_check``). ``device`` is ``"cpu"`` or a CUDA
     device. ``config``: a :class:`PurlinConfig`, a dict of its keys, the path of a YAML file
     of them, or None (the defaults). Collective: every rank constructs its Communicator with the same
     config. Close it with :meth:`close` (or use it as a context manager).
@@ -312,6 +316,8 @@ class Communicator:
             try:
                 call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
             except PurlinValueError as e:
+                if is_exchange(spec) and self._host_split_check():  # the peers wait in the split check: tell them
+                    self._reject_in_split_check(name, e)
                 self._announce(name, e)
             if call.splits is not None and self._host_split_check():
                 self._check_splits(call.name, call.splits)
@@ -337,16 +343,41 @@ class Communicator:
         return dist.get_backend(self.group) == "gloo"
 
     def _check_splits(self, op: str, splits: tuple) -> None:
-        """Every rank's (input rows per peer, output rows per peer) of this call, over the host group (one
-        gloo all-gather of 2 x world integers, its wait bounded by ``timeout_s``): where two ranks disagree
-        on the rows between them, every rank raises the same PurlinMismatchError naming both arguments,
-        before anything moves and before the call number is spent, so the communicator stays usable. A
-        peer that never makes the call is a PurlinTimeoutError (the group's exchanges are out of step
-        then: the communicator is broken)."""
+        """Every rank's (input rows per peer, output rows per peer) of this call, over the host group
+        (:meth:`_gather_splits`): where two ranks disagree on the rows between them, every rank raises the
+        same PurlinMismatchError naming both arguments; where a rank rejected its own arguments, every peer
+        raises a PurlinRejectedError quoting it. Either before anything moves and before the call number is
+        spent, so the communicator stays usable."""
+        rows = self._gather_splits(op, splits, None)
+        world = self.world_size
+        causes = {q: words_text(r[1 + 2 * world:]) for q, r in enumerate(rows) if r[0]}
+        if causes:
+            raise rejected_error(op, causes, self._seq + 1)
+        why = first_split_mismatch(op, [r[1:1 + world] for r in rows], [r[1 + world:1 + 2 * world] for r in rows])
+        if why is not None:
+            raise PurlinMismatchError(why, op=op, rank=self.rank)
+
+    def _reject_in_split_check(self, op: str, error: PurlinValueError) -> NoReturn:
+        """This rank rejected its own arguments of an exchange whose peers are in the split check: its row
+        there carries the mark and its message, so they raise quoting it; then ``error`` is raised."""
+        try:
+            self._gather_splits(op, None, str(error))
+        except PurlinError:
+            pass  # a peer that never comes: the communicator is broken now; this rank's own error all the same
+        raise error
+
+    def _gather_splits(self, op: str, splits: tuple | None, cause: str | None) -> list[list[int]]:
+        """One gloo all-gather over the group of a row per rank, [rejected, input rows per peer, output rows
+        per peer, the rejection's message in SPLIT_CAUSE_WORDS words], its wait bounded by ``timeout_s``.
+        A peer that never makes the call is a PurlinTimeoutError, and the communicator is broken (the
+        group's exchanges are out of step then)."""
         import torch.distributed as dist
 
         world = self.world_size
-        mine = torch.tensor([*splits[0], *splits[1]], dtype=torch.int64)
+        row = [1 if cause is not None else 0]
+        row += [*splits[0], *splits[1]] if splits is not None else [0] * (2 * world)
+        row += text_words(cause, SPLIT_CAUSE_WORDS) if cause is not None else [0] * SPLIT_CAUSE_WORDS
+        mine = torch.tensor(row, dtype=torch.int64)
         got = [torch.empty_like(mine) for _ in range(world)]
         try:
             dist.all_gather(got, mine, group=self.group, async_op=True).wait(
@@ -359,10 +390,7 @@ class Communicator:
             self._engine.mark_broken(str(error))
             self._failed(error)
             raise error from None
-        rows = [g.tolist() for g in got]
-        why = first_split_mismatch(op, [r[:world] for r in rows], [r[world:] for r in rows])
-        if why is not None:
-            raise PurlinMismatchError(why, op=op, rank=self.rank)
+        return [g.tolist() for g in got]
 
     def _announce(self, op: str, error: PurlinValueError) -> NoReturn:
         """This rank rejected its own arguments of a collective: where the ranks can hear it (the CPU

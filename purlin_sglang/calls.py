@@ -122,6 +122,14 @@ def check_device(device: Any, op: str = "Communicator") -> torch.device:
     return dev
 
 
+def is_exchange(spec: Any) -> bool:
+    """A V form whose every rank sends a slice to and receives a slice from every rank (all_to_all_v and
+    user namings like it): its per-peer sizes differ between ranks, so they are compared across ranks
+    (``Call.splits``) rather than folded into the call's fingerprint."""
+    return isinstance(spec, CollectiveSpec) and spec.variable and spec.input.sliced and spec.output.sliced \
+        and not (spec.input.rooted or spec.output.rooted)
+
+
 def check_group(group: Any) -> tuple[Any, int, int]:
     """(the process group, this process's rank in it, its size); ``group`` None: the default group."""
     import torch.distributed as dist
@@ -322,7 +330,7 @@ class CallPath:
         call = Call(spec, name, sched, fp, out_shape, in_place,
                     call_info(name, x.dtype, nbytes, plan), x.nbytes, x.element_size() * math.prod(out_shape),
                     out_shape == tuple(x.shape))
-        if spec.variable and spec.input.sliced and spec.output.sliced and not (spec.input.rooted or spec.output.rooted):
+        if is_exchange(spec):
             call.splits = (tuple(in_rows), tuple(out_rows))  # the launch gate compares them across ranks
         if key is not None:
             if len(self.calls) >= self.maxsize:
@@ -416,7 +424,7 @@ class CallPath:
             if out_splits is not None:
                 raise PurlinValueError(f"{name}: out_splits given, but the output is packed")
             out_rows = (in_rows[self.rank],) if spec.input.sliced else (nrows,)
-        if spec.variable and spec.input.sliced and spec.output.sliced and not (spec.input.rooted or spec.output.rooted):
+        if is_exchange(spec):
             # a rank's own slice goes from its input slice `rank` to its output slice `rank`: both sizes are
             # its own, so a disagreement is caught here, in the user's terms, before any peer is involved
             r, a, b = self.rank, in_rows[self.rank], out_rows[self.rank]

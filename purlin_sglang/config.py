@@ -124,7 +124,9 @@ class PurlinConfig(ConfigModel):
       its host (gloo) group before each such call (under graph capture: at capture, not per replay):
       splits that disagree (rank p sends n rows to q, q expects m from p) raise the same
       ``PurlinMismatchError`` on every rank, naming both arguments, before any row moves, and the
-      communicator stays usable. Costs a host round trip per eager ``all_to_all_v`` (one gloo
+      communicator stays usable; a rank that rejects its own ``all_to_all_v`` arguments tells its
+      peers there too (they raise ``PurlinRejectedError`` quoting it, and the communicator stays
+      usable). Costs a host round trip per eager ``all_to_all_v`` (one gloo
       all-gather of 2 x world integers, its wait bounded by ``timeout_s``). ``false``: a disagreement
       is a short copy or a timeout. The CPU engine and loopback eager calls always check; groups whose
       backend is not gloo are not checked (their wait could not be bounded).

@@ -94,3 +94,39 @@ def test_with_the_check_off_the_host_does_not_compare():
     res = launch(_worker, WORLD, False, None, timeout_s=120)
     for err, dt, same, good in res:
         assert err is not None and "in call #2" in err, err
+
+
+def _rejecting(rank, world):
+    CpuEngine.checks_splits = False
+    comm = ps.Communicator(config=CFG)
+    try:
+        send, recv, x = _rows(world)(rank)
+        t0 = time.monotonic()
+        try:
+            if rank == 2:
+                comm.all_to_all_v(x[:-1], send, recv)  # its splits add up to one row more than its input has
+            else:
+                comm.all_to_all_v(x, send, recv)
+            out = ("no error",)
+        except ps.PurlinRejectedError as e:
+            out = ("rejected", e.rank, e.cause, str(e))
+        except ps.PurlinValueError as e:
+            out = ("own", str(e))
+        dt = time.monotonic() - t0
+        good = comm.all_to_all_v(x, send, recv)  # usable: the next call is the next call everywhere
+        return out, dt, good.tolist()
+    finally:
+        comm.close()
+
+
+def test_a_rank_that_rejects_its_exchange_arguments_is_quoted_by_its_peers_at_once():
+    res = launch(_rejecting, WORLD, timeout_s=120)
+    own = res[2][0]
+    assert own[0] == "own" and "input_splits" in own[1], own
+    of = _rows(WORLD)
+    for r, (out, dt, good) in enumerate(res):
+        assert dt < 5.0, (r, dt)  # not the 20 s timeout
+        if r != 2:
+            assert out[0] == "rejected" and out[1] == 2 and out[2] == own[1] and f'"{own[1]}"' in out[3], out
+        expect = torch.cat([of(p)[2][sum(of(p)[0][:r]):sum(of(p)[0][:r + 1])] for p in range(WORLD)])
+        assert good == expect.tolist(), r
