@@ -198,7 +198,7 @@ def _reject_worker(rank, world, memory, timeout):
     return outcome, after, _closed_then_a_fresh_one(comm, cfg, rank)
 
 
-def _splits_worker(rank, world, memory):
+def _splits_worker(rank, world, memory, how):
     import purlin_sglang as ps
 
     cfg, comm, _ = _after_one_call(memory, 20.0)
@@ -208,11 +208,16 @@ def _splits_worker(rank, world, memory):
     x = torch.arange(sum(send), dtype=torch.float32, device=comm.device) + 100 * rank
     t0 = time.monotonic()
     try:
-        comm.all_to_all_v(x, send, bad)
+        if how == "disagree":
+            comm.all_to_all_v(x, send, bad)
+        else:  # rank 1's input has a row less than its splits say: its own error, announced in the split check
+            comm.all_to_all_v(x[:-1] if rank == 1 else x, send, recv)
         comm.synchronize()
         err = None
-    except ps.PurlinMismatchError as e:
-        err = str(e)
+    except (ps.PurlinMismatchError, ps.PurlinRejectedError) as e:
+        err = f"{type(e).__name__}: {e}"
+    except ps.PurlinValueError as e:
+        err = f"own: {e}"
     elapsed = time.monotonic() - t0
     y = comm.all_to_all_v(x, send, recv)  # usable: the next call is the next call on both ranks
     comm.synchronize()
@@ -326,16 +331,22 @@ def test_a_rank_that_rejects_its_arguments_stops_its_peer_at_once():
     assert again0 == again1 == [3.0] * 8
 
 
-def test_disagreeing_all_to_all_v_splits_raise_on_both_ranks_naming_both_and_the_group_stays_usable():
-    """The host split check (config split_check) of a CUDA process group: rank 1 expects one row more from rank 0
-    than rank 0 sends; both ranks raise the same PurlinMismatchError naming both arguments before anything
-    moves, then a correct all_to_all_v gives the right rows on both."""
-    res = launch(_splits_worker, 2, "ipc", timeout_s=120, env=ENV)
-    want = ("all_to_all_v: rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 expects 3 rows from "
-            "rank 0 (its output_splits[0])")
+@pytest.mark.parametrize("how", ["disagree", "reject"])
+def test_all_to_all_v_split_errors_raise_on_both_ranks_at_once_and_the_group_stays_usable(how):
+    """The host split check (config split_check) of a CUDA process group. disagree: rank 1 expects one row more
+    from rank 0 than rank 0 sends; both ranks raise the same PurlinMismatchError naming both arguments.
+    reject: rank 1's input is a row short; it raises its own error and rank 0 a PurlinRejectedError quoting it.
+    Before anything moves, within seconds; then a correct all_to_all_v gives the right rows on both."""
+    res = launch(_splits_worker, 2, "ipc", how, timeout_s=120, env=ENV)
+    want = ("PurlinMismatchError: all_to_all_v: rank 0 sends 2 rows to rank 1 (its input_splits[1]), but rank 1 "
+            "expects 3 rows from rank 0 (its output_splits[0])")
+    if how == "reject":
+        own = res[1][0]
+        assert own.startswith("own: all_to_all_v:"), own
+        want = f'PurlinRejectedError: all_to_all_v: rank 1 rejected its arguments of call #2: "{own[5:]}"'
     rows = {p: [float(v + 100 * p) for v in range(sum(p + q + 1 for q in range(2)))] for p in range(2)}
     for r, (err, elapsed, y, again) in enumerate(res):
-        assert err is not None and want in err, (r, err)
+        assert err is not None and (want in err or (how == "reject" and r == 1)), (r, err)
         assert elapsed < 5.0, (r, elapsed)
         start = {p: sum(p + q + 1 for q in range(r)) for p in range(2)}
         assert y == [v for p in range(2) for v in rows[p][start[p]:start[p] + p + r + 1]], (r, y)
