@@ -258,8 +258,7 @@ class LaunchGate:
         the rows between them, every rank raises the same PurlinMismatchError naming both arguments."""
         with self._cond:
             self._calls.setdefault(seq, [None] * self.world)[rank] = (seq, fingerprint, what or op, op, splits)
-            for old in [s for s in self._calls if s < seq - 8]:  # every rank is past those calls
-                del self._calls[old]
+            _forget_before(self._calls, seq - 8)
         self._meet("reach", rank, seq, op)
         with self._cond:
             rejected = self._rejects.get(seq)
@@ -284,8 +283,7 @@ class LaunchGate:
         launches nothing either. The caller raises its own error."""
         with self._cond:
             self._rejects.setdefault(seq, {})[rank] = cause
-            for old in [s for s in self._rejects if s < seq - 8]:  # every rank is past those calls
-                del self._rejects[old]
+            _forget_before(self._rejects, seq - 8)
         try:
             self._meet("reach", rank, seq, op)
         except PurlinError:
@@ -328,6 +326,13 @@ class LaunchGate:
         with self._cond:
             self._failed.setdefault(rank, why)
             self._cond.notify_all()
+
+
+def _forget_before(by_call: dict, seq: int) -> None:
+    """Drop the gate's entries of calls before ``seq``: every rank is past them (ranks meet at every call,
+    so none lags by more than one)."""
+    for old in [s for s in by_call if s < seq]:
+        del by_call[old]
 
 
 def thread_stacks(ranks: list[int]) -> str:
