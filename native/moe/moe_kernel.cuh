@@ -17,7 +17,7 @@
 //   put rows   (token, part of the row) per warp: header + payload into slot [me][pos] of every
 //              destination's receive region (parity), each 16-byte unit read (and quantised) once and
 //              stored to every destination of the token. FP8, scale = amax / 448 (1 for an all-zero
-//              row): a bf16 / fp16 row of up to kHeldRowBytes is read once by a group of four warps,
+//              row), q = x * (1 / scale): a bf16 / fp16 row of up to kHeldRowBytes is read once by a group of four warps,
 //              held in registers from its amax to its quantisation (held_rows); other rows: the
 //              other warps take each token's amax before the puts, which read the row again
 //   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
@@ -411,25 +411,29 @@ __device__ __forceinline__ float row_amax(const T* row, long long hidden, int la
 }
 
 // Unit u (16 bytes on the wire) of token t's row: the input's bytes, or 16 elements quantised to FP8
-// (x / scale, rounded to nearest, saturating: bitwise the CPU engine's quantize_fp8).
+// (x * inv, inv = 1 / scale, each rounded to nearest; the FP8 conversion saturating: bitwise the CPU
+// engine's quantize_fp8).
 template <class T>
-__device__ __forceinline__ int4 fp8_pack(const int4* raw, float scale) {  // 16 elements: sizeof(T) int4
+__device__ __forceinline__ int4 fp8_pack(const int4* raw, float inv) {  // 16 elements: sizeof(T) int4
   const T* e = reinterpret_cast<const T*>(raw);
   int4 out;
   unsigned char* o = reinterpret_cast<unsigned char*>(&out);
 #pragma unroll
-  for (int k = 0; k < 16; ++k) o[k] = __nv_cvt_float_to_fp8(__fdiv_rn(to_f<T>(e[k]), scale), __NV_SATFINITE, __NV_E4M3);
+  for (int k = 0; k < 16; ++k) o[k] = __nv_cvt_float_to_fp8(__fmul_rn(to_f<T>(e[k]), inv), __NV_SATFINITE, __NV_E4M3);
   return out;
 }
 
+// The factor a token's elements are multiplied by: 1 / scale, correctly rounded (1 without FP8).
+__device__ __forceinline__ float fp8_inverse(float scale) { return __frcp_rn(scale); }
+
 template <class T>
-__device__ __forceinline__ int4 fp8_unit(const T* row, long long u, float scale) {
+__device__ __forceinline__ int4 fp8_unit(const T* row, long long u, float inv) {
   constexpr int kIn = 16 * sizeof(T) / 16;  // int4 loads per 16 elements
   int4 raw[kIn];
   const int4* src = reinterpret_cast<const int4*>(row) + u * kIn;
 #pragma unroll
   for (int i = 0; i < kIn; ++i) raw[i] = src[i];
-  return fp8_pack<T>(raw, scale);
+  return fp8_pack<T>(raw, inv);
 }
 
 __device__ __forceinline__ float fp8_scale(float amax) { return amax > 0.0f ? __fdiv_rn(amax, MoeConfig::kFp8Max) : 1.0f; }
@@ -471,9 +475,10 @@ struct HeldRow {
     return m;
   }
   __device__ __forceinline__ void quantise(float scale, bool bf16, int4 (&q)[kUnits]) const {
+    const float inv = fp8_inverse(scale);
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
-      q[i] = bf16 ? fp8_pack<__nv_bfloat16>(&raw[i * kIn], scale) : fp8_pack<__half>(&raw[i * kIn], scale);
+      q[i] = bf16 ? fp8_pack<__nv_bfloat16>(&raw[i * kIn], inv) : fp8_pack<__half>(&raw[i * kIn], inv);
     }
   }
 };
@@ -537,15 +542,15 @@ __device__ __forceinline__ void store_held(char* dst, const int4 (&q)[N], int gl
   }
 }
 
-__device__ __forceinline__ int4 wire_unit(const PurlinMoeParams& p, long long t, long long u, float scale) {
+__device__ __forceinline__ int4 wire_unit(const PurlinMoeParams& p, long long t, long long u, float inv) {
   const char* x = static_cast<const char*>(p.x);
   if (!p.quant) return reinterpret_cast<const int4*>(x + t * p.payload_bytes)[u];
   const long long hidden = p.payload_bytes;  // FP8: one byte per element
   switch (p.x_dtype) {
     case PURLIN_DTYPE_BFLOAT16:
-      return fp8_unit(reinterpret_cast<const __nv_bfloat16*>(x) + t * hidden, u, scale);
-    case PURLIN_DTYPE_FLOAT16: return fp8_unit(reinterpret_cast<const __half*>(x) + t * hidden, u, scale);
-    default: return fp8_unit(reinterpret_cast<const float*>(x) + t * hidden, u, scale);
+      return fp8_unit(reinterpret_cast<const __nv_bfloat16*>(x) + t * hidden, u, inv);
+    case PURLIN_DTYPE_FLOAT16: return fp8_unit(reinterpret_cast<const __half*>(x) + t * hidden, u, inv);
+    default: return fp8_unit(reinterpret_cast<const float*>(x) + t * hidden, u, inv);
   }
 }
 
@@ -603,13 +608,13 @@ __device__ inline void put_header(const PurlinMoeParams& p, const DispatchShared
 __device__ inline void put_units(const PurlinMoeParams& p, const DispatchShared& s, int par, int tt, long long t,
                                  long long u0, long long u1, int lane) {
   const unsigned long long rot = rotated(s.mask[tt], p.rank, p.world);
-  const float scale = p.quant ? s.scale[tt] : 1.0f;
+  const float inv = p.quant ? fp8_inverse(s.scale[tt]) : 1.0f;
   constexpr int kUnroll = 4;
   for (long long u = u0 + lane; u < u1; u += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, scale);
+      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, inv);
     }
     for (unsigned long long m = rot; m; m &= m - 1) {
       const int d = int((__ffsll(static_cast<long long>(m)) - 1 + p.rank + 1) % p.world);
@@ -1043,6 +1048,7 @@ __device__ inline void put_one_pass(const PurlinMoeParams& p, const DispatchShar
                                   long long u0, long long u1, int lane) {
   const float scale = p.quant ? s.scale[tt] : 1.0f;
   char* dst = one_pass_row(p, s, par, tt, t, u0 == 0, scale, lane);
+  const float inv = p.quant ? fp8_inverse(scale) : 1.0f;
   const unsigned full = 0xffffffffu, has = __ballot_sync(full, dst != nullptr);
   constexpr int kUnroll = 4;
   for (long long b0 = u0; b0 < u1; b0 += 32 * kUnroll) {  // the same trip count in every lane (shuffles)
@@ -1050,7 +1056,7 @@ __device__ inline void put_one_pass(const PurlinMoeParams& p, const DispatchShar
     int4 v[kUnroll];
 #pragma unroll
     for (int i = 0; i < kUnroll; ++i) {
-      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, scale);
+      if (u + 32 * i < u1) v[i] = wire_unit(p, t, u + 32 * i, inv);
     }
     for (unsigned m = has; m; m &= m - 1) {
       int4* out = reinterpret_cast<int4*>(__shfl_sync(full, reinterpret_cast<long long>(dst), __ffs(m) - 1));

@@ -42,7 +42,8 @@ def _quant_row(row: torch.Tensor) -> tuple[torch.Tensor, float]:
     amax = xf.abs().max() if xf.numel() else torch.tensor(0.0)
     scale = (amax / 448.0) if float(amax) > 0 else torch.tensor(1.0)
     scale = scale.to(torch.float32)
-    return (xf / scale).to(FP8), float(scale)
+    inv = torch.ones_like(scale) / scale
+    return (xf * inv).to(FP8), float(scale)
 
 
 def reference_dispatch(xs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],

@@ -73,12 +73,14 @@ def send_positions(to_rank: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8 (e4m3fn): ``scale = amax / 448`` (1 for an all-zero row), ``q = x / scale``."""
+    """Per-token FP8 (e4m3fn): ``scale = amax / 448`` (1 for an all-zero row), ``q = x * (1 / scale)``,
+    each step rounded to nearest in float32 (as SGLang's per-token quantisation multiplies by the inverse)."""
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=1) if x.shape[0] else torch.zeros(0, device=x.device)
-    # amax / a tensor, not / a Python number: CUDA divides by a CPU scalar as a multiply by its
-    # reciprocal, which differs from the CPU's true division in the last bit (the dispatch kernel divides
-    # with __fdiv_rn too: the engines' scales are bitwise equal).
+    # Divisions by tensors, not by Python numbers: CUDA divides by a CPU scalar as a multiply by its
+    # reciprocal, which differs from a true division in the last bit (the dispatch kernel uses
+    # __fdiv_rn and __frcp_rn: the engines' scales and rows are bitwise equal).
     scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    q = (xf / scale[:, None]).to(torch.float8_e4m3fn)
+    inv = torch.ones_like(scale) / scale
+    q = (xf * inv[:, None]).to(torch.float8_e4m3fn)
     return q, scale

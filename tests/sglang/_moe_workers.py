@@ -41,10 +41,12 @@ def routing(tokens: int, seed: int, drop: bool):
 
 
 def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """What an FP8 dispatch delivers: per token, scale = amax / 448, rows as float8_e4m3fn, dequantised."""
-    amax = x.float().abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    """What an FP8 dispatch delivers: per token, scale = amax / 448, rows x * (1 / scale) as
+    float8_e4m3fn (the engines' own quantize_fp8), dequantised."""
+    from purlin_sglang.moe.routing import quantize_fp8
+
+    q, scale = quantize_fp8(x)
+    return (q.float() * scale[:, None]).to(x.dtype)
 
 
 def _setup(rank: int, world: int):
