@@ -88,6 +88,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         dev = comm.device
         stream = rank_stream(comm)
         side = torch.cuda.Stream(dev)
+        pool = torch.cuda.graph_pool_handle()  # every graph of this rank, one after another, in one pool
         i = inputs[comm.rank]
         inp = type(i)(i.x.to(dev), i.ids.to(dev), i.w.to(dev))
         out = {}
@@ -97,12 +98,12 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         for name, step in parts.items():
             if comm.rank == 0:
                 sys.stderr.write(f"  {name}\n")
-            out[name] = graph_samples(comm, step, stream, side, barrier, opts, stage=log(comm.rank, name))
+            out[name] = graph_samples(comm, step, stream, side, barrier, opts, stage=log(comm.rank, name), pool=pool)
         stamps = []
         if comm.rank == 0 and args.phases:
             sys.stderr.write(f"  {args.phases} traced pairs\n")
         for _ in range(args.phases):  # --trace-calls pairs a graph: the stamps are the last pair's
-            graph_samples(comm, parts["pair"], stream, side, barrier, traced)
+            graph_samples(comm, parts["pair"], stream, side, barrier, traced, pool=pool)
             stamps.append(comm.moe_trace())
         return out, stamps
 

@@ -159,8 +159,14 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 _CAPTURE_LOCK = threading.Lock()
 
 
-def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None) -> list[float]:
+def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None,
+                  pool=None) -> list[float]:
     """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
+
+    ``pool`` (``torch.cuda.graph_pool_handle()``): the memory pool the capture allocates from. A caller
+    that captures several graphs one after another passes one pool for all of them, so each reuses
+    what the graphs before it (deleted when this returns) held, instead of torch keeping a cached pool
+    per graph on every rank.
 
     CUDAGraph.capture_begin/end are used rather than the ``torch.cuda.graph`` context because
     that context synchronizes the whole device and empties the cache on entry, which would
@@ -176,7 +182,7 @@ def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda
     # the ranks capturing in turn cannot wait on each other.
     with _CAPTURE_LOCK, comm.capture():
         with torch.cuda.stream(side):
-            g.capture_begin(capture_error_mode="thread_local")
+            g.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 for j in range(opts.graph_calls):
                     step(j)
