@@ -70,6 +70,7 @@ def test_help_names_every_step_option_and_mode():
     (["ab"], "ab: needs a MODE"),
     (["ab", "fast"], "ab: mode 'fast' unknown"),
     (["ab", "graph", "--rounds", "0"], "ab: --rounds needs a count"),
+    (["ab", "moe", "--run-limit", "soon"], "ab: --run-limit needs seconds"),
     (["serve", "--runs", "tp1,tp3"], "serve: run 'tp3' unknown"),
     (["serve", "--prompts", "many"], "serve: --prompts needs a count"),
     (["serve", "--model", "configs"], "serve: --model configs: no config.json"),
@@ -141,6 +142,12 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     moe = [c for c in cmds if "bench moe" in c]
     assert [re.search(r"ab/moe-(\w+-\d)", c).group(1) for c in moe] == ["new-1", "base-1", "base-2", "new-2"]
     assert all("bench moe --tokens 1,128 --out" in c for c in moe)
+    cmds, _ = dry(tmp_path, "--budget", "500", "--base", "HEAD", "ab", "moe", "--rounds", "1", "--run-limit", "90",
+                  "--tokens", "4096")
+    moe = [c for c in cmds if "bench moe" in c]
+    assert len(moe) == 2 and all(c.startswith("+ timeout --kill-after=10 90 ") for c in moe), moe
+    assert all("--run-limit" not in c for c in moe) and "timeout --kill-after=10 90 " not in cmds[0]
+    assert not cmds[-1].startswith("+ timeout --kill-after=10 90 ")  # the table: the budget only
     cmds, steps = dry(tmp_path, "script", "-m", "purlin_sglang.bench.moe_parts", "--tokens", "1")
     assert steps[0].split()[:2] == ["script-moe_parts", "dry"]
     assert "python3 -P -m purlin_sglang.bench.moe_parts --tokens 1" in cmds[-1]

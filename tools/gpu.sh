@@ -50,10 +50,12 @@ is a step name, attach it to its option, e.g. -kmoe):
                          a module of the build (e.g. -m purlin_sglang.bench.moe_parts)
   serve [OPTIONS]        SGLang servers of configs/models/ with the default backend and with purlin,
                          tokens checked against a reference -> OUT/serve/ (options below)
-  ab MODE [--rounds N] [ARGS]
+  ab MODE [--rounds N] [--run-limit SECONDS] [ARGS]
                          this build against the baseline (--base), built in the same call, each in
                          its own processes, alternating, N rounds (default 3); the scripts of this
-                         tree time both -> OUT/ab/, the table OUT/ab/table.md. MODE:
+                         tree time both -> OUT/ab/, the table OUT/ab/table.md; --run-limit: each
+                         benchmark run is stopped after SECONDS and counts as failed, so one that
+                         hangs does not spend the rest of the budget. MODE:
                            graph        benchmarks/bench_graph_ab.py (packet path, CUDA graphs)
                            eager        benchmarks/bench_eager_host.py (host time of an eager call)
                            engine       benchmarks/bench_cuda_engine.py
@@ -116,7 +118,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || exit 2
 cd "$ROOT" || exit 2
 STEPS=(setup test demo collectives moe engine tune script serve ab pack-base)
 AB_MODES=(graph eager engine collectives moe parts kernel)
-WHEELS=() OUT_DIR="" WORK=/tmp/purlin-gpu BASE="" BUDGET=0 KEEP_GOING=0 PACK=0 DRY=0
+WHEELS=() OUT_DIR="" WORK=/tmp/purlin-gpu BASE="" BUDGET=0 KEEP_GOING=0 PACK=0 DRY=0 RUN_LIMIT=0
 T_START=$SECONDS
 
 die_usage() {
@@ -146,9 +148,11 @@ shell_words() {  # the words as a shell reads them back: quoted only where they 
 # run STDOUT STDERR CMD...: CMD with its output appended to the files (the same file twice: both to
 # it), stopped when the budget is spent; --dry-run prints it instead
 run() {
-  local out=$1 err=$2 lim=()
+  local out=$1 err=$2 lim=() secs
   shift 2
-  ((BUDGET)) && lim=(timeout --kill-after=10 "$(left)")
+  secs=$(left)
+  ((RUN_LIMIT && RUN_LIMIT < secs)) && secs=$RUN_LIMIT
+  ((BUDGET || RUN_LIMIT)) && lim=(timeout --kill-after=10 "$secs")
   if ((DRY)); then
     printf '+'; shell_words "${lim[@]}" "$@"; printf '  > %s\n' "$out"
     return 0
@@ -343,7 +347,7 @@ step_pack_base() {
 
 # ab: the baseline build, then one function a mode: ab_MODE DIR LABEL ROUND [ARGS]
 parse_ab() {
-  AB_MODE=$1 AB_ROUNDS=3 AB_ARGS=()
+  AB_MODE=$1 AB_ROUNDS=3 AB_ARGS=() AB_RUN_LIMIT=0
   [[ -n $AB_MODE ]] || { WHY="ab: needs a MODE first: one of ${AB_MODES[*]}"; return 1; }
   is_in "$AB_MODE" "${AB_MODES[@]}" || { WHY="ab: mode '$AB_MODE' unknown: one of ${AB_MODES[*]}"; return 1; }
   shift
@@ -351,6 +355,10 @@ parse_ab() {
     if [[ $1 == --rounds ]]; then
       count_ok "$2" || { WHY="ab: --rounds needs a count of 1 or more (got '$2')"; return 1; }
       AB_ROUNDS=$2
+      shift 2
+    elif [[ $1 == --run-limit ]]; then
+      count_ok "$2" || { WHY="ab: --run-limit needs seconds, 1 or more (got '$2')"; return 1; }
+      AB_RUN_LIMIT=$2
       shift 2
     else
       AB_ARGS+=("$1")
@@ -421,11 +429,13 @@ step_ab() {
     LOG=$dir/build-base.log  # the log whose end the run shows
     return 1
   fi
+  RUN_LIMIT=$AB_RUN_LIMIT  # the benchmark runs only, not the builds or the table
   for ((r = 1; r <= AB_ROUNDS; r++)); do
     for lab in $( ((r % 2)) && echo new base || echo base new); do  # the order flips every round
       "ab_$AB_MODE" "$dir" "$lab" "$r" "${AB_ARGS[@]}" || failed=$((failed + 1))
     done
   done
+  RUN_LIMIT=0
   run "$dir/table.md" "$dir/table.md" python3 tools/results_table.py "$dir"
   RESULT="$AB_MODE: $AB_ROUNDS rounds, this build against $BASE_NAME; $failed runs failed; table ab/table.md"
   ((failed == 0))
