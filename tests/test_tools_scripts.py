@@ -71,6 +71,8 @@ def test_help_names_every_step_option_and_mode():
     (["ab", "fast"], "ab: mode 'fast' unknown"),
     (["ab", "graph", "--rounds", "0"], "ab: --rounds needs a count"),
     (["ab", "moe", "--run-limit", "soon"], "ab: --run-limit needs seconds"),
+    (["ncu", "--count", "0", "bench", "moe"], "ncu: --count needs a count"),
+    (["test", "ncu"], "ncu: needs the purlin-sglang command"),
     (["serve", "--runs", "tp1,tp3"], "serve: run 'tp3' unknown"),
     (["serve", "--prompts", "many"], "serve: --prompts needs a count"),
     (["serve", "--model", "configs"], "serve: --model configs: no config.json"),
@@ -148,6 +150,13 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     assert len(moe) == 2 and all(c.startswith("+ timeout --kill-after=10 90 ") for c in moe), moe
     assert all("--run-limit" not in c for c in moe) and "timeout --kill-after=10 90 " not in cmds[0]
     assert not cmds[-1].startswith("+ timeout --kill-after=10 90 ")  # the table: the budget only
+    cmds, steps = dry(tmp_path, "setup", "ncu", "--skip", "2", "bench", "moe", "--world", "1", "test")
+    assert [st.split()[0] for st in steps] == ["setup", "ncu"]  # every word after ncu is its own
+    out = tmp_path / "out"
+    assert "ncu --clock-control none --target-processes all --kernel-name regex:moe_dispatch --launch-skip 2 " \
+           "--launch-count 2 " in cmds[-2] and f"--export {out}/ncu/report " in cmds[-2]
+    assert cmds[-2].endswith(f"python3 -P -m purlin_sglang bench moe --world 1 test  > {out}/ncu.log")
+    assert cmds[-1].startswith(f"+ ncu --import {out}/ncu/report.ncu-rep --page details")
     cmds, steps = dry(tmp_path, "script", "-m", "purlin_sglang.bench.moe_parts", "--tokens", "1")
     assert steps[0].split()[:2] == ["script-moe_parts", "dry"]
     assert "python3 -P -m purlin_sglang.bench.moe_parts --tokens 1" in cmds[-1]

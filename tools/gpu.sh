@@ -48,6 +48,15 @@ is a step name, attach it to its option, e.g. -kmoe):
   script FILE [ARGS]     a Python file of the repo against the build (e.g. benchmarks/NAME.py);
   script -m MODULE [ARGS]
                          a module of the build (e.g. -m purlin_sglang.bench.moe_parts)
+  ncu [--kernel REGEX] [--skip N] [--count N] ARGS
+                         Nsight Compute over `purlin-sglang ARGS` (e.g. bench moe --world 1 ...): the
+                         kernels whose names match REGEX (default moe_dispatch), COUNT launches
+                         (default 2) after SKIP (default 10); sections SpeedOfLight,
+                         MemoryWorkloadAnalysis, WarpStateStats, LaunchStats, Occupancy; clocks left
+                         alone (--clock-control none) -> OUT/ncu/report.ncu-rep, OUT/ncu/details.txt.
+                         ncu runs one kernel at a time: ranks of a virtual world whose kernels wait
+                         for each other time out under it, so profile one rank (--world 1). The
+                         last step: every word after ncu is its own (bench moe ...)
   serve [OPTIONS]        SGLang servers of configs/models/ with the default backend and with purlin,
                          tokens checked against a reference -> OUT/serve/ (options below)
   ab MODE [--rounds N] [--run-limit SECONDS] [ARGS]
@@ -116,7 +125,7 @@ EOF
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || exit 2
 cd "$ROOT" || exit 2
-STEPS=(setup test demo collectives moe engine tune script serve ab pack-base)
+STEPS=(setup test demo collectives moe engine tune script ncu serve ab pack-base)
 AB_MODES=(graph eager engine collectives moe parts kernel)
 WHEELS=() OUT_DIR="" WORK=/tmp/purlin-gpu BASE="" BUDGET=0 KEEP_GOING=0 PACK=0 DRY=0 RUN_LIMIT=0
 T_START=$SECONDS
@@ -337,6 +346,35 @@ py_step() {
 step_engine() { py_step benchmarks/bench_cuda_engine.py "$@" --json "$OUT_DIR/$TAG.json"; }
 step_script() { if [[ $1 == -m ]]; then py_step -P "$@"; else py_step "$@"; fi; }
 
+parse_ncu() {  # NCU_KERNEL NCU_SKIP NCU_COUNT NCU_ARGS from: [--kernel REGEX] [--skip N] [--count N] ARGS
+  NCU_KERNEL=moe_dispatch NCU_SKIP=10 NCU_COUNT=2 NCU_ARGS=()
+  while (($#)); do
+    case $1 in
+      --kernel) [[ -n $2 ]] || { WHY="ncu: --kernel needs a regular expression"; return 1; }; NCU_KERNEL=$2 ;;
+      --skip) [[ $2 =~ ^[0-9]+$ ]] || { WHY="ncu: --skip needs a count (got '$2')"; return 1; }; NCU_SKIP=$2 ;;
+      --count) count_ok "$2" || { WHY="ncu: --count needs a count of 1 or more (got '$2')"; return 1; }; NCU_COUNT=$2 ;;
+      *) NCU_ARGS=("$@"); break ;;
+    esac
+    shift 2
+  done
+  ((${#NCU_ARGS[@]})) || { WHY="ncu: needs the purlin-sglang command to profile (e.g. bench moe --world 1)"; return 1; }
+}
+
+step_ncu() {
+  parse_ncu "$@" || { RESULT=$WHY; return 1; }
+  need_build || return 1
+  local dir=$OUT_DIR/$TAG
+  ((DRY)) || mkdir -p "$dir" || return 1
+  run "$LOG" "$LOG" env "$(site new)" ncu --clock-control none --target-processes all \
+    --kernel-name "regex:$NCU_KERNEL" --launch-skip "$NCU_SKIP" --launch-count "$NCU_COUNT" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+    --section Occupancy --export "$dir/report" --force-overwrite \
+    python3 -P -m purlin_sglang "${NCU_ARGS[@]}" || { RESULT="ncu failed: $(last_line "$LOG")"; return 1; }
+  run "$dir/details.txt" "$LOG" ncu --import "$dir/report.ncu-rep" --page details || {
+    RESULT="ncu could not read its report back"; return 1; }
+  RESULT="$NCU_COUNT launches of /$NCU_KERNEL/ -> $TAG/details.txt"
+}
+
 step_pack_base() {
   local dir=${WHEELS[0]}
   ((DRY)) || mkdir -p "$dir"
@@ -470,7 +508,7 @@ parse_options() {
 }
 
 # the steps: NAMES[i] with its arguments ARGV[FIRST[i]] .. (COUNT[i] words); the word after ab is its
-# MODE, even where it is a step's name too (ab collectives, ab engine)
+# MODE, even where it is a step's name too (ab collectives, ab engine); ncu takes every word after it
 split_steps() {
   NAMES=() FIRST=() COUNT=()
   local i n
@@ -478,6 +516,8 @@ split_steps() {
     n=${#NAMES[@]}
     if ((n)) && [[ ${NAMES[n - 1]} == ab ]] && ((COUNT[n - 1] == 0)); then
       COUNT[n - 1]=1
+    elif ((n)) && [[ ${NAMES[n - 1]} == ncu ]]; then  # ncu is last: every word after it is its own
+      COUNT[n - 1]=$((COUNT[n - 1] + 1))
     elif is_in "${ARGV[i]}" "${STEPS[@]}"; then
       NAMES+=("${ARGV[i]}") FIRST+=($((i + 1))) COUNT+=(0)
     elif ((n == 0)); then
@@ -507,6 +547,7 @@ check_step() {  # check_step NAME ARGS...: what can be known before anything run
       die_usage "script: needs a Python file or -m MODULE first (got '${1:-nothing}')" ;;
     ab) parse_ab "$@" || die_usage "$WHY"; resolve_base || die_usage "ab: $WHY" ;;
     serve) parse_serve "$@" || die_usage "$WHY" ;;
+    ncu) parse_ncu "$@" || die_usage "$WHY" ;;
   esac
 }
 
