@@ -17,9 +17,10 @@
 //   put rows   (token, part of the row) per warp: header + payload into slot [me][pos] of every
 //              destination's receive region (parity), each 16-byte unit read (and quantised) once and
 //              stored to every destination of the token. FP8, scale = amax / 448 (1 for an all-zero
-//              row), q = x * (1 / scale): a bf16 / fp16 row of up to kHeldRowBytes is read once by a group of four warps,
-//              held in registers from its amax to its quantisation (held_rows); other rows: the
-//              other warps take each token's amax before the puts, which read the row again
+//              row), q = x * (1 / scale): a bf16 / fp16 row of up to kHeldRowBytes is read once by a
+//              group of four warps, held in registers from its amax to its quantisation (held_rows);
+//              other rows: the other warps take each token's amax before the puts, which read the
+//              row again
 //   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
 //              count word [epoch, tokens, meta, rows per its local expert], epoch last (release)
 //   wait       threads 0..world-1 poll my count words of epoch e (bounded by timeout_ns)
@@ -423,7 +424,8 @@ __device__ __forceinline__ int4 fp8_pack(const int4* raw, float inv) {  // 16 el
   return out;
 }
 
-// The factor a token's elements are multiplied by: 1 / scale, correctly rounded (1 without FP8).
+// The factor a token's elements are multiplied by before their FP8 conversion: 1 / scale, correctly
+// rounded.
 __device__ __forceinline__ float fp8_inverse(float scale) { return __frcp_rn(scale); }
 
 template <class T>
