@@ -150,8 +150,8 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     assert len(moe) == 2 and all(c.startswith("+ timeout --kill-after=10 90 ") for c in moe), moe
     assert all("--run-limit" not in c for c in moe) and "timeout --kill-after=10 90 " not in cmds[0]
     assert not cmds[-1].startswith("+ timeout --kill-after=10 90 ")  # the table: the budget only
-    cmds, steps = dry(tmp_path, "setup", "ncu", "--skip", "2", "bench", "moe", "--world", "1", "test")
-    assert [st.split()[0] for st in steps] == ["setup", "ncu"]  # every word after ncu is its own
+    cmds, steps = dry(tmp_path, "test", "ncu", "--skip", "2", "bench", "moe", "--world", "1", "test")
+    assert [st.split()[0] for st in steps] == ["test", "ncu"]  # every word after ncu is its own
     out = tmp_path / "out"
     assert "ncu --clock-control none --target-processes all --kernel-name regex:moe_dispatch --launch-skip 2 " \
            "--launch-count 2 " in cmds[-2] and f"--export {out}/ncu/report " in cmds[-2]
