@@ -103,6 +103,7 @@ class Communicator:
                               maxsize=self.CALL_CACHE_SIZE,
                               placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")
         self._seq = 0
+        self._split_check = self._host_split_check()
         region, why = None, f"the {self.memory} provider cannot hand out heap tensors"
         if self.config.symmetric_bytes and hasattr(ws, "staging_region"):  # nothing runs here without a heap
             try:
@@ -299,7 +300,7 @@ class Communicator:
         if call is not None:  # a call shape seen (and valid) before: its cached schedule
             self._check_usable(call.name)
             out = got
-            if call.splits is not None and self._host_split_check():
+            if call.splits is not None and self._split_check:
                 self._check_splits(call.name, call.splits)
             launch = call.launch
             if launch:  # the steady state: the engine's prepared launch of this shape, one native call
@@ -316,10 +317,10 @@ class Communicator:
             try:
                 call, out = self._path.prepare(spec, x, out, op, root, in_splits, out_splits, got)
             except PurlinValueError as e:
-                if is_exchange(spec) and self._host_split_check():  # the peers wait in the split check: tell them
+                if is_exchange(spec) and self._split_check:  # the peers wait in the split check: tell them
                     self._reject_in_split_check(name, e)
                 self._announce(name, e)
-            if call.splits is not None and self._host_split_check():
+            if call.splits is not None and self._split_check:
                 self._check_splits(call.name, call.splits)
         self._seq += 1
         ctx = CallContext(call.name, self._seq, call.fingerprint, x.dtype, x, out, call.info, call.splits)
@@ -333,7 +334,8 @@ class Communicator:
 
     def _host_split_check(self) -> bool:
         """Whether this rank compares an exchange's splits with its peers over the host group before the
-        call (config ``split_check``): a process group over gloo whose engine cannot see them (CUDA)."""
+        call (config ``split_check``): a process group over gloo whose engine cannot see them (CUDA).
+        Decided once, in ``_init``: none of it changes over the communicator's life."""
         if self.group is None or self.world_size == 1 or getattr(self._engine, "checks_splits", True):
             return False
         if not self.config.split_check:

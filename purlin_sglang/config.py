@@ -127,7 +127,7 @@ class PurlinConfig(ConfigModel):
       communicator stays usable; a rank that rejects its own ``all_to_all_v`` arguments tells its
       peers there too (they raise ``PurlinRejectedError`` quoting it, and the communicator stays
       usable). Costs a host round trip per eager ``all_to_all_v`` (one gloo
-      all-gather of 2 x world integers, its wait bounded by ``timeout_s``). ``false``: a disagreement
+      all-gather of a row of 2 x world + 33 integers per rank, its wait bounded by ``timeout_s``). ``false``: a disagreement
       is a short copy or a timeout. The CPU engine and loopback eager calls always check; groups whose
       backend is not gloo are not checked (their wait could not be bounded).
     * ``tuning``: the planner's :class:`~purlin_sglang.snac.TuningPolicy`.
