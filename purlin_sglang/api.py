@@ -400,8 +400,9 @@ class Communicator:
         every peer raises a PurlinRejectedError quoting ``error`` instead of waiting for this rank, and
         the call number is spent on every rank alike; then ``error`` is raised. On a CUDA process group
         the engine writes a rejected descriptor into the peers' workspaces (CudaEngine.reject): their
-        kernels of the call, already running, stop and they raise PurlinRejectedError; the communicator
-        is broken then. A call under graph capture raises it here only."""
+        kernels of the call, already running, stop, and every rank resets its protocol state with the
+        others (CudaEngine.resync) before it raises, this one here, the peers their PurlinRejectedError;
+        the communicator stays usable. A call under graph capture raises it here only."""
         if self._closed or self._engine.broken or self.world_size == 1:
             raise error
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -414,7 +415,23 @@ class Communicator:
             self._gate.reject(self.rank, self._seq, op, str(error))
         else:
             engine_reject(self._seq, op, str(error))
+            if getattr(self._engine, "resync_pending", None) is not None:
+                try:
+                    self._resync()
+                except PurlinError:
+                    pass  # the communicator is broken now (its reason names the reset); this rank's own error
         raise error
+
+    def _resync(self) -> None:
+        """The reset every rank of a CUDA process group runs after a rejected call (CudaEngine.resync): this
+        rank continues from the call number every rank agrees on. A rank that never comes is a
+        PurlinTimeoutError after ``timeout_s``, and the communicator is broken (its memory released)."""
+        try:
+            self._seq = self._engine.resync(self._seq)
+        except PurlinError as e:
+            traceback.clear_frames(e.__traceback__)
+            self._release_broken()
+            raise
 
     def _check_usable(self, name: str) -> None:
         if self._closed:
@@ -422,7 +439,10 @@ class Communicator:
         try:
             engines.check_usable(name, self._engine, self._moe)
         except PurlinError:
-            self._release_broken()
+            if getattr(self._engine, "resync_pending", None) is not None:
+                self._resync()  # a peer's rejected call: every rank's reset, then its error (usable after it)
+            else:
+                self._release_broken()
             raise
 
     def _execute(self, ctx: CallContext, sched: Any) -> None:
@@ -437,7 +457,11 @@ class Communicator:
             raise
 
     def _failed(self, e: PurlinError) -> None:
-        """A call raised ``e``: where it broke the engine, release this rank's memory now."""
+        """A call raised ``e``: where it was a peer's rejected call, every rank's reset first (raising a
+        PurlinTimeoutError in ``e``'s place if a rank never comes); where it broke the engine, release this
+        rank's memory now."""
+        if getattr(self._engine, "resync_pending", None) is not None:
+            self._resync()
         if self._engine.broken:
             # The engine's frames in the traceback hold views of the shared mapping: drop their
             # locals so that the mapping can really be unmapped now.

@@ -118,8 +118,10 @@ class PurlinConfig(ConfigModel):
       bytes) are caught when the ranks do not enter them at the same instant; packet calls always,
       through the packets' signature (docs/DESIGN.md). Measured on the H200 (packet all_reduce in a
       graph, medians of 3 alternating rounds): 8 KiB at 8 ranks 6.59 us on, 6.61 off; at 1 and 2
-      ranks +0.08 and +0.12 us; nothing visible on the staged one-shot. ``false`` makes a mismatch a
-      timeout. The CPU engine and loopback eager calls always check.
+      ranks +0.08 and +0.12 us; nothing visible on the staged one-shot. The same descriptors carry a
+      rank's rejection of its own arguments to a process group's peers, which then reset the
+      communicator's state with it and keep it usable. ``false`` makes a mismatch, and a peer's
+      rejection, a timeout. The CPU engine and loopback eager calls always check.
     * ``split_check`` (true): a CUDA process group compares the ranks' ``all_to_all_v`` splits over
       its host (gloo) group before each such call (under graph capture: at capture, not per replay):
       splits that disagree (rank p sends n rows to q, q expects m from p) raise the same

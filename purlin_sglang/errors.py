@@ -21,8 +21,9 @@ class PurlinValueError(PurlinError, ValueError):
 
 class PurlinRejectedError(PurlinValueError):
     """Another rank rejected its own arguments of this call: every rank skipped the call and the
-    communicator stays usable (but on a CUDA process group, whose kernels were already running: there
-    they stopped mid-call and the communicator is broken, as the message says). ``rank`` is the rank
+    communicator stays usable (on a CUDA process group, whose kernels were already running, they stopped
+    mid-call and every rank reset the communicator's state before raising; where that reset could not
+    run, the communicator is broken, as the message says). ``rank`` is the rank
     that rejected them (the lowest, if several did), ``cause`` its own error message, which this message
     quotes; ``op`` the call."""
 

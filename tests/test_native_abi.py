@@ -19,7 +19,7 @@ from purlin_sglang import abi, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines import cuda_ops as co
 from purlin_sglang.errors import PurlinBrokenError, PurlinTimeoutError, PurlinUnavailableError, PurlinValueError
-from purlin_sglang.memory.layout import REJECT_WORDS, DeviceLayout
+from purlin_sglang.memory.layout import REJECT_WORDS, RESYNC_WORDS, DeviceLayout
 from purlin_sglang.moe.cuda import CudaMoE
 from purlin_sglang.moe.region import MoELayout
 
@@ -375,7 +375,14 @@ def test_device_descriptors_and_rejections_live_in_the_signal_area_and_do_not_ov
         assert lay.desc(world - 1, 7) == lay.desc(world - 1, 3)  # slot = seq % ring
         entries = [lay.reject(p) for p in range(world)]  # each producer's rejection message
         assert entries[0] == lay.reject_off and all(b - a == REJECT_WORDS * 8 for a, b in zip(entries, entries[1:]))
-        assert entries[-1] + REJECT_WORDS * 8 == lay.signal_bytes <= lay.staging_off
+        assert entries[-1] + REJECT_WORDS * 8 <= lay.resync_off and lay.resync_off % 128 == 0
+        rounds = [lay.resync(p) for p in range(world)]  # each producer's reset words
+        assert rounds[0] == lay.resync_off and all(b - a == RESYNC_WORDS * 8 for a, b in zip(rounds, rounds[1:]))
+        assert rounds[-1] + RESYNC_WORDS * 8 == lay.signal_bytes <= lay.staging_off
+        # a reset clears everything the kernels keep, up to the rejections, and the packet windows; never
+        # the reset words themselves nor the staged payload
+        assert lay.reset_spans() == [(0, lay.reject_off), (lay.window_off, lay.rank_bytes - lay.window_off)]
+        assert lay.window(0, 0) == lay.window_off and lay.window(1, world - 1) + lay.window_bytes == lay.rank_bytes
 
 
 def _engine_with_mismatch(mine_seq: int, mine_fp: int, theirs_fp: int, my_info: int, peer_info: int | None):

@@ -28,7 +28,7 @@ from ..errors import (
     PurlinBrokenError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinRejectedError, PurlinTimeoutError,
     PurlinUnavailableError, text_words, words_text,
 )
-from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, REJECT_WORDS, DeviceLayout
+from ..memory.layout import ARRIVE_SLOTS, EPOCH_WORDS, REJECT_WORDS, RESYNC_WORDS, DeviceLayout
 from ..snac import Schedule, registry
 from .base import describe_info, fold32, mismatch_message
 from .cuda_ops import ACK, BARRIER_KIND, DRAIN, KIND_NAMES, NOTIFY, PACKET_KIND, encode
@@ -37,6 +37,7 @@ MAX_BLOCKS = 16  # per rank: about what saturates one NVLink direction (ARCHITEC
 HOST_ERROR_WORDS = native.SNAC_ERROR_WORDS  # the kernels' host-mapped record (native.SNAC_ERROR_FIELDS)
 REJECT_MARK = (1 << DESC_SEQ_SHIFT) - 1  # the payload of all three descriptor words of a rejected call
 READ_REJECTION_S = 1.0  # how long a rank's host waits for the device copy of a peer's rejection message
+RESYNC_POLL_S = 0.0002  # between two reads of a rank's reset words while it waits for its peers (CudaEngine.resync)
 
 
 def desc_word(seq: int, payload: int) -> int:
@@ -125,6 +126,8 @@ class CudaEngine:
     packets = True  # runs the packet protocol (snac/packet.cuh): the selector may take algorithms that need it
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
     _surfaced = False  # a recorded error was raised once: later calls raise PurlinBrokenError (check)
+    resync_pending: Optional[tuple[str, int]] = None  # (op, call) of a rejected call whose reset is owed (resync)
+    can_resync = False  # whether a rejected call is followed by the reset (set in __init__: the call check's)
     checks_splits = False  # ranks that disagree on all_to_all_v splits are not seen by the kernels (config split_check)
 
     def __init__(self, ws, rank: int, world: int, timeout_s: float, *, ranks_on_gpu: int | None = None,
@@ -164,8 +167,14 @@ class CudaEngine:
         self._stream = None  # the torch Stream of the last launch (for synchronize) and its handle
         self._stream_handle: int | None = None
         self.broken: str | None = None
-        self._reject_causes: dict[tuple[int, int], str] = {}  # (peer, call) -> the message a peer rejected with
+        # (peer, call) -> (the rank that rejected, its call number, its message), read from the peer's entry
+        self._reject_causes: dict[tuple[int, int], tuple[int, int, str]] = {}
         self._reject_buf = None
+        # A rejected call is followed by a reset of every rank's protocol state (resync), so that the
+        # communicator stays usable: possible where the ranks hear of the rejection (the call check).
+        self.can_resync = self.call_check and world > 1
+        self._resync_rounds = 0
+        self._resync_keep: list = []  # host and device buffers of the reset's copies, alive until they ran
 
     # -- tables --------------------------------------------------------------------------------
     def _table(self, sched: Schedule, op: str) -> tuple:
@@ -256,35 +265,51 @@ class CudaEngine:
     def reject(self, seq: int, op: str, message: str) -> None:
         """This rank rejected its own arguments of call ``seq`` (``message``: its error) and launches nothing.
 
-        With the call check on (``device_call_check``), its message and a rejected descriptor for ``seq`` are
-        written into every peer's workspace (one-block copies from pinned memory on a side stream, the
-        descriptor's word 0 last): a peer kernel waiting for this rank in that call stops within the check's
-        20 us and records it, and that peer raises :class:`PurlinRejectedError` quoting ``message`` at its
-        next call or :meth:`synchronize`, instead of a timeout after ``timeout_s``. The peers' kernels of a
-        process group are already running when this rank finds its error, so they stop mid-call: the
-        communicator is broken on every rank, this one included. Never raises: the caller raises its own
-        error whatever happens here (a peer then gets its timeout, as without the check)."""
+        With the call check on (``device_call_check``), its message and a rejected descriptor for ``seq`` (and
+        for ``seq + 1``) are written into every peer's workspace (one-block copies from pinned memory on a side
+        stream, the descriptor's word 0 last): a peer kernel waiting for this rank in that call stops within
+        the check's 20 us and records it, and that peer raises :class:`PurlinRejectedError` quoting
+        ``message`` at its next call or :meth:`synchronize`, instead of a timeout after ``timeout_s``; a peer
+        whose part of the call did not wait for this rank (a broadcast's root) stops the same way in its next
+        call that does. The peers' kernels of a process group are already running when this rank finds its
+        error, so they stop mid-call: every rank then owes the reset of :meth:`resync` (``resync_pending``),
+        which the communicator runs before it raises. Where the peers cannot hear of it (the check off, or
+        the copies failed) the communicator is broken on every rank instead. Never raises: the caller raises
+        its own error whatever happens here."""
+        announced = False
         if self.call_check and self.ws is not None and not self.broken and self.world > 1:
             try:
-                self._announce_rejection(seq, message)
+                self._announce_rejection(seq, message, self.rank)
+                announced = True
             except Exception:  # noqa: BLE001 - the caller's own error is what this rank raises
                 pass
+        if announced and self.can_resync:
+            self.resync_pending = (op, seq)
+            return
         self.mark_broken(f"{op}: this rank rejected its arguments of call #{seq} ({message}); its peers' kernels "
                          "stopped in that call, so the communicator is broken on every rank (create a new one)")
 
-    def _announce_rejection(self, seq: int, message: str) -> None:
+    def _announce_rejection(self, seq: int, message: str, origin: int) -> None:
+        """Rank ``origin``'s rejection of call ``seq`` written into every peer's workspace: this rank's entry
+        (``[seq, bytes of the message | (origin + 1) << 32, message...]``), then its rejected descriptors of
+        calls ``seq`` and ``seq + 1``. Raises if the copies did not run within ``timeout_s``."""
         dl, me = self.dlayout, self.rank
-        mark = desc_word(seq, REJECT_MARK)
-        words = [seq, len(message.encode("utf-8")), *text_words(message, REJECT_WORDS - 2), mark, mark, mark]
-        buf = _pinned_words(words)
+        size = len(message.encode("utf-8")) | (origin + 1) << DESC_SEQ_SHIFT
+        marks = [desc_word(s, REJECT_MARK) for s in (seq, seq + 1) for _ in range(3)]
+        buf = _pinned_words([seq, size, *text_words(message, REJECT_WORDS - 2), *marks])
         self._reject_buf = buf  # alive until its copies ran (a copy left waiting below still reads it)
         src, nbytes = buf.data_ptr(), REJECT_WORDS * 8
         peers = [base for q, base in enumerate(self.ws.base_ptrs) if q != me]
         # in order: every message, then descriptor words 1 and 2, then word 0 (what a waiting peer compares,
         # so it finds the rest in place)
-        self._side_copies([(base + dl.reject(me), src, nbytes) for base in peers]
-                          + [(base + dl.desc(me, seq) + 8, src + nbytes + 8, 16) for base in peers]
-                          + [(base + dl.desc(me, seq), src + nbytes, 8) for base in peers], self.timeout_s)
+        copies = [(base + dl.reject(me), src, nbytes) for base in peers]
+        for i, s in enumerate((seq, seq + 1)):
+            at = src + nbytes + 24 * i
+            copies += [(base + dl.desc(me, s) + 8, at + 8, 16) for base in peers]
+            copies += [(base + dl.desc(me, s), at, 8) for base in peers]
+        if not self._side_copies(copies, self.timeout_s):
+            raise PurlinTimeoutError(f"rank {me}: the copies announcing a rejected call did not run within "
+                                     f"{self.timeout_s:g}s", op="reject", rank=me)
 
     def _side_copies(self, copies: list[tuple[int, int, int]], seconds: float) -> bool:
         """``(dst, src, nbytes)`` one-block copies, in order, on a stream of their own; waits for them at most
@@ -306,8 +331,10 @@ class CudaEngine:
         return peer, (mine >> DESC_SEQ_SHIFT) & REJECT_MARK
 
     def _read_rejection(self) -> None:
-        """A recorded rejection's message, read from this rank's workspace (where the peer wrote it) into
-        ``_reject_causes``; bounded (READ_REJECTION_S), and left out if it cannot be read."""
+        """A recorded rejection's entry, read from this rank's workspace (where the peer wrote it) into
+        ``_reject_causes``: the rank that rejected, its call number and its message; bounded
+        (READ_REJECTION_S), and left out if it cannot be read. The entry is that of the recorded call, or of
+        the call before it (the peer's marks of the next call stopped this rank's kernel there)."""
         found = self._rejection()
         if found is None or found in self._reject_causes or self.ws is None:
             return
@@ -320,9 +347,10 @@ class CudaEngine:
             w = buf.tolist()
         except Exception:  # noqa: BLE001 - the error is raised all the same, without the peer's words
             return
-        if w[0] == seq:
-            text = words_text(w[2:])
-            self._reject_causes[found] = text + (" [...]" if w[1] > 8 * (REJECT_WORDS - 2) else "")
+        if w[0] in (seq, seq - 1):
+            nbytes, origin = w[1] & REJECT_MARK, (w[1] >> DESC_SEQ_SHIFT) - 1
+            text = words_text(w[2:]) + (" [...]" if nbytes > 8 * (REJECT_WORDS - 2) else "")
+            self._reject_causes[found] = (origin if 0 <= origin < self.world else peer, w[0], text)
 
     def synchronize(self) -> None:
         """Wait for this rank's enqueued calls; raise an error one of them recorded. Blocks the host."""
@@ -333,16 +361,106 @@ class CudaEngine:
     def check(self) -> None:
         """Raise an error a kernel recorded, without waiting (no device sync): once, typed (a timeout, a
         mismatch, a peer's rejection); the engine is broken from then on, so the callers' usability check
-        raises PurlinBrokenError quoting it at every later call."""
+        raises PurlinBrokenError quoting it at every later call. A peer's rejection instead leaves the reset
+        of :meth:`resync` owed (``resync_pending``), which the caller runs before it raises the error; an
+        engine whose owed reset never ran is broken."""
         if self._err[0] and not self._surfaced:
             self._raise_recorded()
+        if self.resync_pending is not None:  # raised, but the reset it needs never ran: do not launch into it
+            op, seq = self.resync_pending
+            self.mark_broken(f"{op}: the reset owed after the rejected call #{seq} did not run")
 
     def _raise_recorded(self) -> None:
         self._read_rejection()
         error = self.recorded_error()
-        self.broken = self.broken or str(error)
+        if isinstance(error, PurlinRejectedError) and self.can_resync:
+            # A peer's rejected call: this rank passes the rejection on (so a rank waiting for this one, not
+            # for the peer, stops too) and owes the reset (resync), which the communicator runs before it
+            # raises this error; the engine is not broken.
+            origin, seq, cause = self._rejected_call()
+            try:
+                self._announce_rejection(seq, cause or "", origin)
+            except Exception:  # noqa: BLE001 - the reset's rendezvous waits for the ranks that did not hear
+                pass
+            self.resync_pending = (error.op, seq)
+        else:
+            self.broken = self.broken or str(error)
         self._surfaced = True
         raise error
+
+    def _rejected_call(self) -> tuple[int, int, Optional[str]]:
+        """(rank that rejected, its call number, its message or None) of the recorded rejection."""
+        peer, seq = self._rejection()
+        return self._reject_causes.get((peer, seq), (peer, seq, None))
+
+    # -- the reset after a rejected call ---------------------------------------------------------
+    def resync(self, seq: int) -> int:
+        """The reset every rank runs after a rejected call (``resync_pending``), before it raises: its
+        kernels finished (bounded by ``timeout_s``), a rendezvous of every rank, its protocol state cleared
+        back to a new workspace's (:meth:`DeviceLayout.reset_spans`), a second rendezvous, and the host
+        record cleared. ``seq`` is this rank's last call number; returns the largest of every rank's, the
+        call number every rank continues from. Blocks the host, at most ``timeout_s``. A rank that does not
+        come (dead, or one that never waits for the rejecting rank) is a PurlinTimeoutError naming it, and
+        the engine is broken."""
+        op, rejected = self.resync_pending or ("collective", seq)
+        self.resync_pending = None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            if self._stream is not None and not _wait_stream(self._stream, self.timeout_s):
+                raise self._resync_timeout(op, rejected, "for its own kernels to finish", [self.rank])
+            seen = self._resync_round(op, rejected, seq, deadline)  # no kernel of any rank runs now
+            spans = self.dlayout.reset_spans()
+            zeros = torch.zeros(max(n for _, n in spans), dtype=torch.uint8, device=self.device)
+            self._resync_keep.append(zeros)
+            own = self.ws.base_ptrs[self.rank]
+            if not self._side_copies([(own + at, zeros.data_ptr(), n) for at, n in spans], _left(deadline)):
+                raise self._resync_timeout(op, rejected, "for the copies clearing its workspace", [self.rank])
+            seen = self._resync_round(op, rejected, max(seen), deadline)  # every rank's workspace is clear
+        except PurlinError as e:
+            self.mark_broken(str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 - a CUDA call that failed: the state is unknown
+            error = PurlinCudaError(f"{op}: the reset after rank {self.rank}'s view of the rejected call #{rejected} "
+                                    f"failed ({type(e).__name__}: {e}); the communicator is broken")
+            self.mark_broken(str(error))
+            raise error from e
+        self._resync_keep.clear()
+        self._err[:] = 0
+        self._surfaced = False
+        return max(seen)
+
+    def _resync_round(self, op: str, rejected: int, seq: int, deadline: float) -> list[int]:
+        """One rendezvous: this rank's next round and ``seq`` written into every rank's reset words, then its
+        own polled until every rank's round has come; returns every rank's call number."""
+        self._resync_rounds += 1
+        n, me, world, dl = self._resync_rounds, self.rank, self.world, self.dlayout
+        post = _pinned_words([n, seq])
+        got = _pinned_words([0] * (RESYNC_WORDS * world))
+        self._resync_keep += [post, got]
+        nbytes = RESYNC_WORDS * 8
+        if not self._side_copies([(base + dl.resync(me), post.data_ptr(), nbytes) for base in self.ws.base_ptrs],
+                                 _left(deadline)):
+            raise self._resync_timeout(op, rejected, "for the copies of its reset words", [me])
+        own = self.ws.base_ptrs[me] + dl.resync_off
+        while True:
+            if not self._side_copies([(got.data_ptr(), own, nbytes * world)], max(_left(deadline), READ_REJECTION_S)):
+                raise self._resync_timeout(op, rejected, "for the copy of its reset words", [me])
+            w = got.tolist()
+            late = [q for q in range(world) if w[RESYNC_WORDS * q] < n]
+            if not late:
+                return [w[RESYNC_WORDS * q + 1] for q in range(world)]
+            if time.monotonic() >= deadline:
+                raise self._resync_timeout(op, rejected, "for its peers to reset", late)
+            time.sleep(RESYNC_POLL_S)
+
+    def _resync_timeout(self, op: str, rejected: int, what: str, late: list[int]) -> PurlinTimeoutError:
+        ranks = ", ".join(str(q) for q in late)
+        who = f" (rank{'s' if len(late) > 1 else ''} {ranks} did not come: dead, or not waiting for the rejecting " \
+              "rank in any call since)" if late != [self.rank] else ""
+        return PurlinTimeoutError(
+            f"{op}: resetting the communicator after the rejected call #{rejected}, rank {self.rank} waited "
+            f"{self.timeout_s:g}s (timeout_s) {what}{who}; the communicator is broken (create a new one on every "
+            "rank)", op=op, rank=self.rank, missing=[q for q in late if q != self.rank])
 
     def recorded_error(self) -> Optional[PurlinError]:
         """The error a kernel of this rank recorded (the one :meth:`check` raises), or None. Reads the
@@ -351,15 +469,16 @@ class CudaEngine:
             return None
         code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
-        rejected = self._rejection()
-        if rejected is not None:
-            peer, seq = rejected
-            cause = self._reject_causes.get(rejected)
+        if self._rejection() is not None:
+            origin, seq, cause = self._rejected_call()
             quoted = f'"{cause}"' if cause is not None else "(its message could not be read)"
+            after = ("every rank reset the communicator's state after that call before raising, so it stays usable "
+                     "(calls this rank enqueued after it did not run)" if self.can_resync
+                     else "so the communicator is now broken")
             return PurlinRejectedError(
-                f"{name}: rank {peer} rejected its arguments of call #{seq}: {quoted}; rank {rank}'s kernel stopped "
-                "waiting for it in that call (the ranks of a CUDA process group launch before they can hear of it), "
-                "so the communicator is now broken", op=name, rank=peer, cause=cause or "")
+                f"{name}: rank {origin} rejected its arguments of call #{seq}: {quoted}; rank {rank}'s kernel stopped "
+                "waiting for it (the ranks of a CUDA process group launch before they can hear of it); " + after,
+                op=name, rank=origin, cause=cause or "")
         if code == native.SNAC_ERROR_CODES["MISMATCH"]:
             return PurlinMismatchError(self._mismatch_message(name, rank, peer, target, seen), op=name, rank=rank,
                                        peer=peer)
@@ -443,6 +562,11 @@ def _torch_current_stream(index: int) -> int:
 # (the one its compiled code calls; no Stream object is built), else the public API. The one stream
 # lookup of a call.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _torch_current_stream)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic), at least a millisecond (a copy is still given its chance)."""
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _pinned_words(words: list) -> torch.Tensor:

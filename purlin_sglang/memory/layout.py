@@ -36,6 +36,7 @@ VERSION = 4  # 2: descriptors carry the call's description code; 3: the reject w
 REJECTED = -1  # the fingerprint of a call its rank rejected (real fingerprints are >= 0)
 REJECT_TEXT_BYTES = 512
 REJECT_WORDS = 2 + REJECT_TEXT_BYTES // 8
+RESYNC_WORDS = 2  # a rank's word in a peer's reset rendezvous: [round, call number] (DeviceLayout.resync_off)
 
 STATE_OK = 0
 STATE_BROKEN = 1
@@ -148,6 +149,8 @@ class DeviceLayout(_RankLayout):
       folded fingerprint and description code; read by ``r`` only when a wait for ``p`` stalls.
     * ``reject[p][REJECT_WORDS]``: producer ``p``'s message when it rejected its own arguments of a call
       (written by ``p``'s host, read by ``r``'s host; see :attr:`reject_off`).
+    * ``resync[p][RESYNC_WORDS]``: producer ``p``'s round of the reset that follows a rejected call
+      (written by ``p``'s host, polled by ``r``'s host; see :attr:`resync_off`).
     * ``staging``: ``staging_bytes`` bytes at a 4096-aligned offset.
     * ``window[2][world]``: packet receive windows (written by the producers, pushed), one per
       epoch parity and producer, ``window_bytes`` each: ``PACKET_MAX_BYTES`` of payload as packets.
@@ -221,8 +224,26 @@ class DeviceLayout(_RankLayout):
         return self.reject_off + producer * REJECT_WORDS * WORD
 
     @property
+    def resync_off(self) -> int:
+        """The reset rendezvous, ``[producer][RESYNC_WORDS]`` int64 ``[round, call number]``: after a rejected
+        call every rank's host writes its round into every rank's workspace and polls its own until every
+        peer's has come (CudaEngine.resync). The reset clears every word before :attr:`reject_off` and the
+        packet windows, never these: rounds only count up."""
+        return _align(self.reject_off + self.world * REJECT_WORDS * WORD, 128)
+
+    def resync(self, producer: int) -> int:
+        """Byte offset of ``producer``'s reset words."""
+        return self.resync_off + producer * RESYNC_WORDS * WORD
+
+    def reset_spans(self) -> list[tuple[int, int]]:
+        """``(offset, bytes)`` of what a reset clears in a rank's workspace: the protocol state (counters,
+        mirrors, error word, packet epochs, descriptors) and the packet windows, back to the zeros a new
+        workspace starts with. Staged payload is left as it is (no protocol state is read from it)."""
+        return [(0, self.reject_off), (self.window_off, self.rank_bytes - self.window_off)]
+
+    @property
     def signal_bytes(self) -> int:
-        return self.reject_off + self.world * REJECT_WORDS * WORD
+        return self.resync_off + self.world * RESYNC_WORDS * WORD
 
     @property
     def staging_off(self) -> int:

@@ -6,6 +6,9 @@ stalls (read the descriptor slot, record a MISMATCH in the host record's format)
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
+import time
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch
 from purlin_sglang import engines, native
 from purlin_sglang.engines import cuda as cuda_mod
 from purlin_sglang.engines.base import fold32
-from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinRejectedError
+from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinRejectedError, PurlinTimeoutError
 from purlin_sglang.memory.layout import REJECT_WORDS, DeviceLayout
 
 STAGING = 1 << 16
@@ -56,6 +59,7 @@ def _engines(world, monkeypatch, call_check=True, fail=False):
         e.device, e._index, e.lib, e.call_check = torch.device("cpu"), 0, _Lib(fail), call_check
         e._err = torch.zeros(cuda_mod.HOST_ERROR_WORDS, dtype=torch.int64).numpy()
         e._names, e.broken, e._reject_causes, e._reject_buf = ["all_reduce"], None, {}, None
+        e.can_resync, e._resync_rounds, e._resync_keep, e._stream = call_check and world > 1, 0, [], None
         out.append(e)
     return ws, dl, out
 
@@ -91,12 +95,14 @@ def test_a_rejecting_rank_stops_its_peers_who_raise_quoting_its_error(monkeypatc
     ws, dl, (r0, r1, r2) = _engines(3, monkeypatch)
     seq, message = 7, "all_reduce: out has dtype torch.float16; the input's is torch.float32"
     r1.reject(seq, "all_reduce", message)
-    assert r1.broken and "rejected its arguments of call #7" in r1.broken
-    # every peer's workspace: the message entry, then descriptor words 1-2, then word 0 (in that order)
+    assert r1.resync_pending == ("all_reduce", seq) and not r1.broken  # the reset is owed, nothing broken
+    # every peer's workspace: the message entry, then descriptor words 1-2, then word 0, for this call and the next
     peers = [(q, ws.base_ptrs[q]) for q in (0, 2)]
     assert r1.lib.copies == ([(b + dl.reject(1), REJECT_WORDS * 8) for _, b in peers]
                              + [(b + dl.desc(1, seq) + 8, 16) for _, b in peers]
-                             + [(b + dl.desc(1, seq), 8) for _, b in peers])
+                             + [(b + dl.desc(1, seq), 8) for _, b in peers]
+                             + [(b + dl.desc(1, seq + 1) + 8, 16) for _, b in peers]
+                             + [(b + dl.desc(1, seq + 1), 8) for _, b in peers])
     assert not ws.tensors[1].any()  # nothing written into the rejecting rank's own workspace
     for peer in (r0, r2):
         assert peer.recorded_error() is None
@@ -107,11 +113,117 @@ def test_a_rejecting_rank_stops_its_peers_who_raise_quoting_its_error(monkeypatc
             peer.check()
         e = err.value
         assert e.rank == 1 and e.cause == message and e.op == "all_reduce"
-        assert f'rank 1 rejected its arguments of call #{seq}: "{message}"' in str(e) and "broken" in str(e)
-        assert peer.broken
-        peer.check()  # raised once: the next call's usability check says the communicator is broken
-        with pytest.raises(PurlinBrokenError, match=f"all_reduce: the communicator is broken.*rank 1 rejected"):
-            engines.check_usable("all_reduce", peer, None)
+        assert f'rank 1 rejected its arguments of call #{seq}: "{message}"' in str(e) and "stays usable" in str(e)
+        assert peer.resync_pending == ("all_reduce", seq) and not peer.broken
+    # a peer that learned of it passes it on: rank 0's entry in rank 2's workspace names rank 1 and its message
+    w = ws.tensors[2]
+    entry = dl.reject(0) // 8
+    assert int(w[entry]) == seq and int(w[entry + 1]) >> 32 == 1 + 1 and int(w[entry + 1]) & 0xFFFFFFFF == len(message)
+
+
+def test_a_rank_whose_part_did_not_wait_stops_at_its_next_call_naming_the_rejected_one(monkeypatch):
+    """A broadcast's root finishes the rejected call without waiting for the rejecting rank: its next call's
+    kernel, waiting for it, meets the marks of that next call and raises quoting the rejected call's number."""
+    ws, dl, (r0, r1) = _engines(2, monkeypatch)
+    r1.reject(4, "broadcast", "broadcast: root 5 is out of range")
+    assert _kernel_waits_for(r0, 1, 5, fp=0x12)
+    with pytest.raises(PurlinRejectedError) as err:
+        r0.check()
+    assert err.value.rank == 1 and err.value.cause == "broadcast: root 5 is out of range"
+    assert "rank 1 rejected its arguments of call #4" in str(err.value) and r0.resync_pending == ("all_reduce", 4)
+
+
+def test_a_rejection_passed_on_names_the_rank_that_rejected(monkeypatch):
+    """Rank 2 waits for rank 0 only; rank 0 stopped on rank 1's rejection and passed it on: rank 2 stops on rank
+    0's marks and names rank 1 and its message."""
+    ws, dl, (r0, r1, r2) = _engines(3, monkeypatch)
+    r1.reject(9, "all_reduce", "all_reduce: x is None")
+    assert _kernel_waits_for(r0, 1, 9, fp=3)
+    with pytest.raises(PurlinRejectedError):
+        r0.check()
+    # rank 1's own descriptor in rank 2's workspace is left as a waiting rank 2 would not see it (it waits for 0)
+    assert _kernel_waits_for(r2, 0, 9, fp=3)
+    with pytest.raises(PurlinRejectedError) as err:
+        r2.check()
+    assert err.value.rank == 1 and err.value.cause == "all_reduce: x is None"
+    assert 'rank 1 rejected its arguments of call #9: "all_reduce: x is None"' in str(err.value)
+
+
+def _scribble(ws, dl, rng):
+    """Every rank's workspace filled with non-zero words (the state a call left, stopped mid-way); a reset
+    must clear the protocol state and the packet windows, and leave the staging payload."""
+    for t in ws.tensors:
+        t.copy_(torch.randint(1, 1 << 40, t.shape, generator=rng, dtype=torch.int64))
+        t[dl.resync_off // 8: dl.signal_bytes // 8] = 0  # a new workspace's reset words
+
+
+def _resync_all(engines_, seqs):
+    """Every engine's resync(seq) at once, in threads (each polls its peers' reset words): (results, errors)."""
+    out, errs = [None] * len(engines_), [None] * len(engines_)
+
+    def run(i):
+        try:
+            out[i] = engines_[i].resync(seqs[i])
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errs[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines_))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out, errs
+
+
+def test_the_reset_clears_every_ranks_protocol_state_and_agrees_on_the_call_number(monkeypatch):
+    ws, dl, engs = _engines(3, monkeypatch)
+    rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(2):  # twice: rounds count up, a second reset works as the first
+        _scribble(ws, dl, rng)
+        staged = [t[dl.staging_off // 8: dl.window_off // 8].clone() for t in ws.tensors]
+        engs[1].reject(7, "all_gather", "all_gather: bad")
+        for e in (engs[0], engs[2]):
+            e._err[:] = 0
+            assert _kernel_waits_for(e, 1, 7, fp=1)
+            with pytest.raises(PurlinRejectedError):
+                e.check()
+        # rank 2 had enqueued one call more before it raised: every rank continues from 8
+        got, errs = _resync_all(engs, [7, 7, 8])
+        assert errs == [None] * 3 and got == [8, 8, 8], (got, errs)
+        for t, before in zip(ws.tensors, staged):
+            for at, n in dl.reset_spans():
+                assert not t[at // 8: (at + n) // 8].any()
+            assert torch.equal(t[dl.staging_off // 8: dl.window_off // 8], before)  # payload left alone
+        for e in engs:
+            assert e.resync_pending is None and not e.broken and not e._err.any()
+            e.check()  # nothing recorded, nothing owed: the next call launches
+            engines.check_usable("all_gather", e, None)
+
+
+def test_a_rank_that_never_comes_to_the_reset_breaks_it_naming_that_rank(monkeypatch):
+    ws, dl, (r0, r1) = _engines(2, monkeypatch)
+    for e in (r0, r1):
+        e.timeout_s = 0.3
+    r1.reject(2, "all_reduce", "all_reduce: bad op")
+    t0 = time.monotonic()
+    with pytest.raises(PurlinTimeoutError) as err:
+        r1.resync(2)  # rank 0 never raises, so never comes
+    assert 0.3 <= time.monotonic() - t0 < 5
+    e = err.value
+    assert e.missing == (0,) and "rank 1 waited 0.3s (timeout_s) for its peers to reset (rank 0 did not come" in str(e)
+    assert r1.broken and "broken" in str(e)
+    with pytest.raises(PurlinBrokenError):
+        engines.check_usable("all_reduce", r1, None)
+
+
+def test_an_owed_reset_that_never_ran_breaks_the_engine(monkeypatch):
+    ws, dl, (r0, r1) = _engines(2, monkeypatch)
+    r1.reject(5, "all_reduce", "bad")
+    _kernel_waits_for(r0, 1, 5, fp=2)
+    with pytest.raises(PurlinRejectedError):
+        r0.check()
+    r0.check()  # raised once; the caller did not run the reset
+    assert r0.broken and "did not run" in r0.broken
 
 
 def test_a_long_message_is_cut_and_marked(monkeypatch):

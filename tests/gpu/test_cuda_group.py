@@ -170,31 +170,46 @@ def _closed_then_a_fresh_one(comm, cfg, rank):
     return again
 
 
-def _reject_worker(rank, world, memory, timeout):
-    import torch.distributed as dist
-
+def _reject_worker(rank, world, memory, timeout, how, seed):
+    """Rank 1 rejects its own arguments of one call (an out= of another dtype). ``all_reduce``: rank 0's kernel
+    waits for rank 1 in that call. ``broadcast``: rank 0 is the broadcast's root, whose part does not wait for
+    rank 1; its next call (an all_reduce) does. Then every rank checks three collectives on fresh inputs."""
     import purlin_sglang as ps
-    from purlin_sglang.errors import PurlinBrokenError, PurlinRejectedError
+    from purlin_sglang.errors import PurlinRejectedError
 
     cfg, comm, x = _after_one_call(memory, timeout)
     comm.synchronize()
-    dist.barrier()
+    dev = comm.device
     t0 = time.monotonic()
     outcome = None
     try:
-        bad = torch.empty(1000, dtype=torch.float16, device=comm.device) if rank == 1 else None
-        comm.all_reduce(x, out=bad)  # rank 1: an out= of another dtype, found before its launch
-        comm.synchronize()  # rank 0: its kernel waits for rank 1, which never launches
+        bad = torch.empty(1000, dtype=torch.float16, device=dev) if rank == 1 else None
+        if how == "all_reduce":
+            comm.all_reduce(x, out=bad)  # rank 1: an out= of another dtype, found before its launch
+        else:
+            comm.broadcast(x, root=0, out=bad)
+            comm.all_reduce(x)  # rank 0: this call's kernel waits for rank 1
+        comm.synchronize()
         outcome = ("ok",)
     except PurlinRejectedError as e:
         outcome = ("rejected", str(e), e.rank, e.cause, time.monotonic() - t0)
     except ps.PurlinValueError as e:
         outcome = ("own", str(e), time.monotonic() - t0)
+    # the same communicator, on fresh inputs every rank can recompute (integer values: every sum is exact)
+    g = [torch.Generator().manual_seed(seed + q) for q in range(world)]
+    xs = [torch.randint(-1000, 1000, (4096,), generator=g[q]).float() for q in range(world)]
+    root_x = torch.randint(0, 1 << 20, (777,), generator=torch.Generator().manual_seed(seed + 99), dtype=torch.int32)
+    after = []
     try:
-        comm.all_reduce(x)
-        after = "usable"
-    except PurlinBrokenError:
-        after = "broken"
+        y = comm.all_reduce(xs[rank].to(dev))
+        ag = comm.all_gather(xs[rank][:100].to(dev))
+        b = comm.broadcast(root_x.to(dev) if rank == 1 else torch.full((777,), -7, dtype=torch.int32, device=dev),
+                           root=1)
+        comm.synchronize()
+        after = [torch.equal(y.cpu(), sum(xs)), torch.equal(ag.cpu(), torch.cat([v[:100] for v in xs])),
+                 torch.equal(b.cpu(), root_x)]
+    except ps.PurlinError as e:
+        after = [f"{type(e).__name__}: {e}"]
     return outcome, after, _closed_then_a_fresh_one(comm, cfg, rank)
 
 
@@ -316,18 +331,23 @@ def test_skipped_call_times_out_naming_the_peer_then_a_new_communicator_works():
     assert again0 == again1 == [3.0] * 8
 
 
-def test_a_rank_that_rejects_its_arguments_stops_its_peer_at_once():
-    """A CUDA process group: rank 1's out= has another dtype; rank 0's kernel, already waiting for rank 1,
-    stops on rank 1's rejected descriptor and rank 0 raises PurlinRejectedError quoting rank 1's error well
-    before timeout_s; both ranks are broken then, and a new communicator works."""
+@pytest.mark.parametrize("how", ["all_reduce", "broadcast"])
+def test_a_rank_that_rejects_its_arguments_stops_its_peer_at_once_and_the_group_stays_usable(how):
+    """A CUDA process group: rank 1's out= has another dtype. all_reduce: rank 0's kernel, already waiting for
+    rank 1, stops on rank 1's rejected descriptor; broadcast: rank 0, the root, finishes its part and stops in
+    its next call. Rank 0 raises PurlinRejectedError quoting rank 1's error well before timeout_s, both ranks
+    reset the communicator's state, and the same communicator's next calls are correct on both."""
     timeout = 20.0
-    (out0, after0, again0), (out1, after1, again1) = launch(_reject_worker, 2, "ipc", timeout, timeout_s=120, env=ENV)
+    seed = int.from_bytes(os.urandom(3), "little")
+    res = launch(_reject_worker, 2, "ipc", timeout, how, seed, timeout_s=120, env=ENV)
+    (out0, after0, again0), (out1, after1, again1) = res
     assert out1[0] == "own" and "dtype" in out1[1], out1
+    assert out1[2] < 5.0, out1  # rank 1 waits in the reset for rank 0 only: not the 20 s timeout
     assert out0[0] == "rejected", out0
     _, msg, rank, cause, elapsed = out0
-    assert rank == 1 and cause == out1[1] and f'"{out1[1]}"' in msg, out0
+    assert rank == 1 and cause == out1[1] and f'"{out1[1]}"' in msg and "stays usable" in msg, out0
     assert elapsed < 2.0, elapsed  # not the 20 s timeout
-    assert after0 == after1 == "broken"
+    assert after0 == after1 == [True, True, True], (seed, after0, after1)
     assert again0 == again1 == [3.0] * 8
 
 
