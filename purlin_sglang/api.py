@@ -400,8 +400,8 @@ class Communicator:
         every peer raises a PurlinRejectedError quoting ``error`` instead of waiting for this rank, and
         the call number is spent on every rank alike; then ``error`` is raised. On a CUDA process group
         the engine writes a rejected descriptor into the peers' workspaces (CudaEngine.reject): their
-        kernels of the call, already running, stop, and every rank resets its protocol state with the
-        others (CudaEngine.resync) before it raises, this one here, the peers their PurlinRejectedError;
+        kernels of the call, already running, stop and they raise PurlinRejectedError; every rank then
+        resets its protocol state with the others at the start of its next call (CudaEngine.resync), so
         the communicator stays usable. A call under graph capture raises it here only."""
         if self._closed or self._engine.broken or self.world_size == 1:
             raise error
@@ -415,33 +415,20 @@ class Communicator:
             self._gate.reject(self.rank, self._seq, op, str(error))
         else:
             engine_reject(self._seq, op, str(error))
-            if getattr(self._engine, "resync_pending", None) is not None:
-                try:
-                    self._resync()
-                except PurlinError:
-                    pass  # the communicator is broken now (its reason names the reset); this rank's own error
         raise error
-
-    def _resync(self) -> None:
-        """The reset every rank of a CUDA process group runs after a rejected call (CudaEngine.resync): this
-        rank continues from the call number every rank agrees on. A rank that never comes is a
-        PurlinTimeoutError after ``timeout_s``, and the communicator is broken (its memory released)."""
-        try:
-            self._seq = self._engine.resync(self._seq)
-        except PurlinError as e:
-            traceback.clear_frames(e.__traceback__)
-            self._release_broken()
-            raise
 
     def _check_usable(self, name: str) -> None:
         if self._closed:
             raise engines.closed_error(name, self._broken_reason)
         try:
+            if getattr(self._engine, "resync_pending", None) is not None:
+                # A CUDA process group after a rejected call, raised on every rank: the reset of every rank's
+                # state with the others first (CudaEngine.resync), from the call number they all agree on. A
+                # rank that never comes: PurlinTimeoutError after timeout_s, the communicator broken.
+                self._seq = self._engine.resync(self._seq)
             engines.check_usable(name, self._engine, self._moe)
         except PurlinError:
-            if getattr(self._engine, "resync_pending", None) is not None:
-                self._resync()  # a peer's rejected call: every rank's reset, then its error (usable after it)
-            else:
+            if getattr(self._engine, "resync_pending", None) is None:  # (a rejection just raised: usable)
                 self._release_broken()
             raise
 
@@ -457,11 +444,7 @@ class Communicator:
             raise
 
     def _failed(self, e: PurlinError) -> None:
-        """A call raised ``e``: where it was a peer's rejected call, every rank's reset first (raising a
-        PurlinTimeoutError in ``e``'s place if a rank never comes); where it broke the engine, release this
-        rank's memory now."""
-        if getattr(self._engine, "resync_pending", None) is not None:
-            self._resync()
+        """A call raised ``e``: where it broke the engine, release this rank's memory now."""
         if self._engine.broken:
             # The engine's frames in the traceback hold views of the shared mapping: drop their
             # locals so that the mapping can really be unmapped now.

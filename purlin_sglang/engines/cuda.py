@@ -273,7 +273,7 @@ class CudaEngine:
         whose part of the call did not wait for this rank (a broadcast's root) stops the same way in its next
         call that does. The peers' kernels of a process group are already running when this rank finds its
         error, so they stop mid-call: every rank then owes the reset of :meth:`resync` (``resync_pending``),
-        which the communicator runs before it raises. Where the peers cannot hear of it (the check off, or
+        which the communicator runs at the start of the rank's next call. Where the peers cannot hear of it (the check off, or
         the copies failed) the communicator is broken on every rank instead. Never raises: the caller raises
         its own error whatever happens here."""
         announced = False
@@ -362,27 +362,23 @@ class CudaEngine:
         """Raise an error a kernel recorded, without waiting (no device sync): once, typed (a timeout, a
         mismatch, a peer's rejection); the engine is broken from then on, so the callers' usability check
         raises PurlinBrokenError quoting it at every later call. A peer's rejection instead leaves the reset
-        of :meth:`resync` owed (``resync_pending``), which the caller runs before it raises the error; an
-        engine whose owed reset never ran is broken."""
+        of :meth:`resync` owed (``resync_pending``): the caller runs it before this rank's next call."""
         if self._err[0] and not self._surfaced:
             self._raise_recorded()
-        if self.resync_pending is not None:  # raised, but the reset it needs never ran: do not launch into it
-            op, seq = self.resync_pending
-            self.mark_broken(f"{op}: the reset owed after the rejected call #{seq} did not run")
 
     def _raise_recorded(self) -> None:
         self._read_rejection()
         error = self.recorded_error()
         if isinstance(error, PurlinRejectedError) and self.can_resync:
             # A peer's rejected call: this rank passes the rejection on (so a rank waiting for this one, not
-            # for the peer, stops too) and owes the reset (resync), which the communicator runs before it
-            # raises this error; the engine is not broken.
+            # for the peer, stops too) and owes the reset (resync), which the communicator runs at the start
+            # of this rank's next call; the engine is not broken.
             origin, seq, cause = self._rejected_call()
             try:
                 self._announce_rejection(seq, cause or "", origin)
             except Exception:  # noqa: BLE001 - the reset's rendezvous waits for the ranks that did not hear
                 pass
-            self.resync_pending = (error.op, seq)
+            self.resync_pending = (error.op, seq)  # after recorded_error: it reads None from now on
         else:
             self.broken = self.broken or str(error)
         self._surfaced = True
@@ -395,8 +391,8 @@ class CudaEngine:
 
     # -- the reset after a rejected call ---------------------------------------------------------
     def resync(self, seq: int) -> int:
-        """The reset every rank runs after a rejected call (``resync_pending``), before it raises: its
-        kernels finished (bounded by ``timeout_s``), a rendezvous of every rank, its protocol state cleared
+        """The reset every rank runs after a rejected call (``resync_pending``), at the start of its next
+        call (the communicator's usability check): its kernels finished (bounded by ``timeout_s``), a rendezvous of every rank, its protocol state cleared
         back to a new workspace's (:meth:`DeviceLayout.reset_spans`), a second rendezvous, and the host
         record cleared. ``seq`` is this rank's last call number; returns the largest of every rank's, the
         call number every rank continues from. Blocks the host, at most ``timeout_s``. A rank that does not
@@ -465,15 +461,15 @@ class CudaEngine:
     def recorded_error(self) -> Optional[PurlinError]:
         """The error a kernel of this rank recorded (the one :meth:`check` raises), or None. Reads the
         host-mapped record only: no device sync, nothing changed; safe from another thread."""
-        if not self._err[0]:
+        if not self._err[0] or self.resync_pending is not None:  # (a rejection raised: its reset comes next)
             return None
         code, index, kind, peer, item, rank, target, seen, tag = (int(v) for v in self._err[:9])
         name = self._names[tag] if 0 <= tag < len(self._names) else "collective"
         if self._rejection() is not None:
             origin, seq, cause = self._rejected_call()
             quoted = f'"{cause}"' if cause is not None else "(its message could not be read)"
-            after = ("every rank reset the communicator's state after that call before raising, so it stays usable "
-                     "(calls this rank enqueued after it did not run)" if self.can_resync
+            after = ("every rank resets the communicator's state with the others at the start of its next call, so "
+                     "it stays usable (calls this rank enqueued after that one did not run)" if self.can_resync
                      else "so the communicator is now broken")
             return PurlinRejectedError(
                 f"{name}: rank {origin} rejected its arguments of call #{seq}: {quoted}; rank {rank}'s kernel stopped "

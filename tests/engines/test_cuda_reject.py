@@ -216,14 +216,42 @@ def test_a_rank_that_never_comes_to_the_reset_breaks_it_naming_that_rank(monkeyp
         engines.check_usable("all_reduce", r1, None)
 
 
-def test_an_owed_reset_that_never_ran_breaks_the_engine(monkeypatch):
+def test_a_raised_rejection_is_not_pending_and_the_next_call_resets_first(monkeypatch):
+    """The communicator's usability check (every call's first step) runs an owed reset before anything else
+    and continues from the call number it returns; a reset that fails breaks the communicator."""
+    from purlin_sglang.api import Communicator
+
     ws, dl, (r0, r1) = _engines(2, monkeypatch)
     r1.reject(5, "all_reduce", "bad")
     _kernel_waits_for(r0, 1, 5, fp=2)
     with pytest.raises(PurlinRejectedError):
         r0.check()
-    r0.check()  # raised once; the caller did not run the reset
-    assert r0.broken and "did not run" in r0.broken
+    assert r0.recorded_error() is None and r0.resync_pending == ("all_reduce", 5)  # raised: nothing pending
+    r0.check()  # raised once; not broken
+    assert not r0.broken
+
+    released = []
+    comms = []
+    for e, seq in ((r0, 5), (r1, 6)):
+        c = Communicator.__new__(Communicator)
+        c._closed, c._engine, c._moe, c._seq, c._broken_reason = False, e, None, seq, None
+        c._release_broken = lambda c=c: released.append(c)
+        comms.append(c)
+    errs = []
+    threads = [threading.Thread(target=lambda c=c: errs.append(c._check_usable("all_gather"))) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errs == [None, None] and [c._seq for c in comms] == [6, 6] and not released
+    assert r0.resync_pending is None is r1.resync_pending and not r0._err.any()
+
+    r1.timeout_s = 0.2
+    r1.reject(7, "all_reduce", "bad again")
+    c = comms[1]
+    with pytest.raises(PurlinTimeoutError):  # rank 0 never comes
+        c._check_usable("all_reduce")
+    assert released == [c] and r1.broken
 
 
 def test_a_long_message_is_cut_and_marked(monkeypatch):
