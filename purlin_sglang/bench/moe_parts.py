@@ -40,7 +40,7 @@ import torch
 
 from .metrics import percentile
 from .moe_check import DTYPES, make_inputs, max_pair_load
-from .purlin_runner import Options, graph_samples, rank_stream, settle
+from .purlin_runner import GraphPool, Options, graph_samples, rank_stream, settle
 
 
 def _parts(comm, inp, experts: int, capacity: int, wire):
@@ -88,7 +88,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
         dev = comm.device
         stream = rank_stream(comm)
         side = torch.cuda.Stream(dev)
-        pool = torch.cuda.graph_pool_handle()  # every graph of this rank, one after another, in one pool
+        pool = GraphPool()  # every graph of this rank, one after another, in one pool
         i = inputs[comm.rank]
         inp = type(i)(i.x.to(dev), i.ids.to(dev), i.w.to(dev))
         out = {}

@@ -159,14 +159,24 @@ def run_purlin(collective: str, world: int, mode: str, cases: list[Case], opts: 
 _CAPTURE_LOCK = threading.Lock()
 
 
+class GraphPool:
+    """One memory pool for the graphs a rank captures one after another (:func:`graph_samples`), so that
+    a rank holds the memory of at most two of them, not a cached pool per graph. torch frees a pool
+    with the last graph that uses it (and refuses a capture into a freed one), so the pool keeps its
+    latest graph alive until the next one has been captured; then that graph, never replayed again,
+    is dropped and its memory serves the later captures."""
+
+    def __init__(self):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.last = None
+
+
 def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda name: None,
-                  pool=None) -> list[float]:
+                  pool: GraphPool | None = None) -> list[float]:
     """Capture ``graph_calls`` calls in one graph on this rank's own stream; time its replays.
 
-    ``pool`` (``torch.cuda.graph_pool_handle()``): the memory pool the capture allocates from. A caller
-    that captures several graphs one after another passes one pool for all of them, so each reuses
-    what the graphs before it (deleted when this returns) held, instead of torch keeping a cached pool
-    per graph on every rank.
+    ``pool``: the :class:`GraphPool` the capture allocates from, for a caller that captures several
+    graphs one after another (none: a private pool, freed with the graph when this returns).
 
     CUDAGraph.capture_begin/end are used rather than the ``torch.cuda.graph`` context because
     that context synchronizes the whole device and empties the cache on entry, which would
@@ -182,7 +192,7 @@ def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda
     # the ranks capturing in turn cannot wait on each other.
     with _CAPTURE_LOCK, comm.capture():
         with torch.cuda.stream(side):
-            g.capture_begin(pool=pool, capture_error_mode="thread_local")
+            g.capture_begin(pool=pool.handle if pool is not None else None, capture_error_mode="thread_local")
             try:
                 for j in range(opts.graph_calls):
                     step(j)
@@ -195,5 +205,7 @@ def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda
     barrier.wait()
     stage("replays")
     samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)
+    if pool is not None:
+        pool.last = g  # keeps the pool alive for the next capture; the graph before it is dropped
     del g
     return samples
