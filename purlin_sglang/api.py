@@ -104,6 +104,8 @@ class Communicator:
                               placement="one_gpu" if ranks_on_gpu > 1 else "gpu_per_rank")
         self._seq = 0
         self._split_check = self._host_split_check()
+        if self._gate is not None and hasattr(self._engine, "can_resync"):
+            self._engine.can_resync = False  # virtual ranks hear of a rejection in the launch gate, before launching
         region, why = None, f"the {self.memory} provider cannot hand out heap tensors"
         if self.config.symmetric_bytes and hasattr(ws, "staging_region"):  # nothing runs here without a heap
             try:

@@ -126,6 +126,7 @@ class CudaEngine:
     packets = True  # runs the packet protocol (snac/packet.cuh): the selector may take algorithms that need it
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
     _surfaced = False  # a recorded error was raised once: later calls raise PurlinBrokenError (check)
+    _last: tuple[int, int] = (0, 0)  # (call number, tag) of the last call launched (synchronize's rejection check)
     resync_pending: Optional[tuple[str, int]] = None  # (op, call) of a rejected call whose reset is owed (resync)
     can_resync = False  # whether a rejected call is followed by the reset (set in __init__: the call check's)
     checks_splits = False  # ranks that disagree on all_to_all_v splits are not seen by the kernels (config split_check)
@@ -213,6 +214,7 @@ class CudaEngine:
             p = self._params
             self._fill(p, e, ctx)
             p.input, p.output = ctx.x.data_ptr(), ctx.y.data_ptr()
+            self._last = (ctx.seq, e[4])
             code = self.lib.snac_execute(self._pref, self._launch_stream())
             if code:
                 self._launch_failed(ctx.op, code)
@@ -234,6 +236,7 @@ class CudaEngine:
         pointers and the number into the bound struct and launches (one more per further part of a hybrid
         schedule). The caller has checked the engine usable (``engines.check_usable``) and ``x`` / ``y``
         against the call's shape."""
+        self._last = (seq, bound.tag)
         code = self.lib.snac_launch(bound.addr, x.data_ptr(), y.data_ptr(), seq, self._launch_stream())
         if code:
             self._launch_failed(bound.op, code)
@@ -353,10 +356,48 @@ class CudaEngine:
             self._reject_causes[found] = (origin if 0 <= origin < self.world else peer, w[0], text)
 
     def synchronize(self) -> None:
-        """Wait for this rank's enqueued calls; raise an error one of them recorded. Blocks the host."""
+        """Wait for this rank's enqueued calls; raise an error one of them recorded. Blocks the host.
+
+        Also raises a peer's rejection of the last call when this rank's part of it never waited for that
+        peer (a broadcast's root), if the peer's marks have arrived by then (:meth:`_rejected_last`);
+        otherwise such a rank raises it in its next call that waits for the peer."""
         if self._stream is not None:
             self._stream.synchronize()
         self.check()
+        if self._rejected_last():
+            self.check()
+
+    def _rejected_last(self) -> bool:
+        """Whether a peer's rejected descriptor of this rank's last call lies in this rank's workspace (one
+        bounded device copy of the descriptor slots); if so, it is recorded as the kernels record one
+        (a MISMATCH whose words carry the marks), for :meth:`check` to raise."""
+        seq, tag = self._last
+        if not (self.call_check and self.can_resync and self.ws is not None and self.world > 1 and seq > 0):
+            return False
+        if self._err[0] or self.broken:
+            return False
+        dl, me, ring = self.dlayout, self.rank, native.SNAC_DESC_RING
+        nwords = self.world * ring * native.SNAC_DESC_WORDS
+        try:
+            buf = _pinned_words([0] * nwords)
+            if not self._side_copies([(buf.data_ptr(), self.ws.base_ptrs[me] + dl.desc_off, nwords * 8)],
+                                     READ_REJECTION_S):
+                return False
+            w = buf.tolist()
+        except Exception:  # noqa: BLE001 - nothing learned: the next call that waits finds it
+            return False
+        for peer in range(self.world):
+            at = (dl.desc(peer, seq) - dl.desc_off) // 8
+            theirs, lo, hi = w[at:at + 3]
+            if peer != me and rejected_marks(theirs, lo, hi) and (theirs >> DESC_SEQ_SHIFT) & REJECT_MARK == seq:
+                f = native.SNAC_ERROR_FIELDS
+                rec = {"op": 0, "kind": 0, "peer": peer, "item": 0, "rank": me, "target": desc_word(seq, 0),
+                       "seen": theirs, "tag": tag, "peer_info_lo": lo, "peer_info_hi": hi, "my_info": 0}
+                for k, v in rec.items():
+                    self._err[f.index(k)] = v
+                self._err[0] = native.SNAC_ERROR_CODES["MISMATCH"]
+                return True
+        return False
 
     def check(self) -> None:
         """Raise an error a kernel recorded, without waiting (no device sync): once, typed (a timeout, a
@@ -529,10 +570,10 @@ class _Launch:
     here; ``addr`` is the first one's address for the native call, ``more`` the others', a hybrid
     schedule's later parts) and the collective's name for messages."""
 
-    __slots__ = ("params", "addr", "more", "op")
+    __slots__ = ("params", "addr", "more", "op", "tag")
 
     def __init__(self, params: list, op: str):
-        self.params, self.op = tuple(params), op
+        self.params, self.op, self.tag = tuple(params), op, params[0].tag
         self.addr = ctypes.addressof(params[0])
         self.more = tuple(ctypes.addressof(p) for p in params[1:])
 

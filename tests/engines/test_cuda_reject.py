@@ -149,6 +149,27 @@ def test_a_rejection_passed_on_names_the_rank_that_rejected(monkeypatch):
     assert 'rank 1 rejected its arguments of call #9: "all_reduce: x is None"' in str(err.value)
 
 
+def test_a_rank_whose_part_did_not_wait_raises_at_synchronize_once_the_marks_are_there(monkeypatch):
+    """A broadcast's root: its kernel finished without waiting for the rejecting rank; synchronize() finds
+    the rank's rejected descriptor of the last call in its own workspace and raises it, quoting the cause."""
+    ws, dl, (r0, r1) = _engines(2, monkeypatch)
+    r0._last = (4, 0)  # the root launched call 4 (tag 0: all_reduce in this stand-in) and it completed
+    r0.synchronize()  # nothing from rank 1 yet: nothing raised
+    assert not r0._err.any()
+    r1.reject(4, "broadcast", "broadcast: out has dtype torch.float16")
+    with pytest.raises(PurlinRejectedError) as err:
+        r0.synchronize()
+    e = err.value
+    assert e.rank == 1 and e.cause == "broadcast: out has dtype torch.float16" and "call #4" in str(e)
+    assert r0.resync_pending == ("all_reduce", 4) and not r0.broken
+    r2 = _engines(2, monkeypatch)[2][0]
+    r2._last = (5, 0)  # its last call is #5: the marks of #4 in its workspace belong to an earlier one
+    ws2 = r2.ws.tensors[0]
+    ws2[dl.desc(1, 4) // 8: dl.desc(1, 4) // 8 + 3] = cuda_mod.desc_word(4, cuda_mod.REJECT_MARK)
+    r2.synchronize()
+    assert not r2._err.any()
+
+
 def _scribble(ws, dl, rng):
     """Every rank's workspace filled with non-zero words (the state a call left, stopped mid-way); a reset
     must clear the protocol state and the packet windows, and leave the staging payload."""
