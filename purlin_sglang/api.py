@@ -26,8 +26,8 @@ from .collectives import (
 )
 from .engines.base import CallContext, first_split_mismatch
 from .snac.table import TableInUse
-from .errors import (PurlinError, PurlinMismatchError, PurlinPlanError, PurlinTimeoutError, PurlinValueError,
-                     rejected_error, text_words, words_text)
+from .errors import (PurlinError, PurlinMismatchError, PurlinPlanError, PurlinTimeoutError, PurlinUnavailableError,
+                     PurlinValueError, rejected_error, text_words, words_text)
 from .memory import bootstrap, setup_phase
 from .memory.heap import SymmetricHeap, heap_start, region_bytes
 from .moe import MoEDispatch
@@ -423,16 +423,25 @@ class Communicator:
         if self._closed:
             raise engines.closed_error(name, self._broken_reason)
         try:
-            if getattr(self._engine, "resync_pending", None) is not None:
-                # A CUDA process group after a rejected call, raised on every rank: the reset of every rank's
-                # state with the others first (CudaEngine.resync), from the call number they all agree on. A
-                # rank that never comes: PurlinTimeoutError after timeout_s, the communicator broken.
-                self._seq = self._engine.resync(self._seq)
+            if getattr(self._engine, "resync_pending", None) is not None and name != "synchronize":
+                self._resync(name)
             engines.check_usable(name, self._engine, self._moe)
         except PurlinError:
             if getattr(self._engine, "resync_pending", None) is None:  # (a rejection just raised: usable)
                 self._release_broken()
             raise
+
+    def _resync(self, name: str) -> None:
+        """A CUDA process group after a rejected call, raised on every rank: at this rank's next call (not at
+        ``synchronize()``, which makes no call: a rank may synchronize and then wait for its peers' hosts),
+        the reset of every rank's state with the others (CudaEngine.resync), from the call number they all
+        agree on. A rank that never comes: PurlinTimeoutError after ``timeout_s``, the communicator broken.
+        Not under graph capture (it copies and waits): there it raises, and the reset stays owed."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise PurlinUnavailableError(
+                f"{name}: after a rejected call this rank resets the communicator's state with its peers at its "
+                "next call, which cannot happen under CUDA graph capture; make one eager call on every rank first")
+        self._seq = self._engine.resync(self._seq)
 
     def _execute(self, ctx: CallContext, sched: Any) -> None:
         """Run one call on the engine; a failure that breaks the engine releases this rank's memory."""

@@ -256,8 +256,11 @@ def test_a_raised_rejection_is_not_pending_and_the_next_call_resets_first(monkey
     for e, seq in ((r0, 5), (r1, 6)):
         c = Communicator.__new__(Communicator)
         c._closed, c._engine, c._moe, c._seq, c._broken_reason = False, e, None, seq, None
+        c.device = torch.device("cpu")
         c._release_broken = lambda c=c: released.append(c)
         comms.append(c)
+    comms[1]._check_usable("synchronize")  # makes no call: no reset there (a rank may then wait for its peers)
+    assert r1.resync_pending == ("all_reduce", 5)
     errs = []
     threads = [threading.Thread(target=lambda c=c: errs.append(c._check_usable("all_gather"))) for c in comms]
     for t in threads:
