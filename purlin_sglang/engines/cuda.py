@@ -127,6 +127,7 @@ class CudaEngine:
     call_check = False  # publish and check call descriptors (config device_call_check); set in __init__
     _surfaced = False  # a recorded error was raised once: later calls raise PurlinBrokenError (check)
     _last: tuple[int, int] = (0, 0)  # (call number, tag) of the last call launched (synchronize's rejection check)
+    _late_reads: tuple = ()  # host buffers of reads that did not finish in time (the copy may still land)
     resync_pending: Optional[tuple[str, int]] = None  # (op, call) of a rejected call whose reset is owed (resync)
     can_resync = False  # whether a rejected call is followed by the reset (set in __init__: the call check's)
     checks_splits = False  # ranks that disagree on all_to_all_v splits are not seen by the kernels (config split_check)
@@ -270,15 +271,15 @@ class CudaEngine:
 
         With the call check on (``device_call_check``), its message and a rejected descriptor for ``seq`` (and
         for ``seq + 1``) are written into every peer's workspace (one-block copies from pinned memory on a side
-        stream, the descriptor's word 0 last): a peer kernel waiting for this rank in that call stops within
-        the check's 20 us and records it, and that peer raises :class:`PurlinRejectedError` quoting
-        ``message`` at its next call or :meth:`synchronize`, instead of a timeout after ``timeout_s``; a peer
-        whose part of the call did not wait for this rank (a broadcast's root) stops the same way in its next
-        call that does. The peers' kernels of a process group are already running when this rank finds its
-        error, so they stop mid-call: every rank then owes the reset of :meth:`resync` (``resync_pending``),
-        which the communicator runs at the start of the rank's next call. Where the peers cannot hear of it (the check off, or
-        the copies failed) the communicator is broken on every rank instead. Never raises: the caller raises
-        its own error whatever happens here."""
+        stream, the descriptor's word 0 last): a peer kernel waiting for this rank in that call stops within the
+        check's 20 us and records it, and that peer raises :class:`PurlinRejectedError` quoting ``message`` at
+        its next call or :meth:`synchronize`, instead of a timeout after ``timeout_s``; a peer whose part of the
+        call did not wait for this rank (a broadcast's root) stops the same way in its next call that does. The
+        peers' kernels of a process group are already running when this rank finds its error, so they stop
+        mid-call: every rank then owes the reset of :meth:`resync` (``resync_pending``), which the communicator
+        runs at the start of the rank's next call. Where the peers cannot hear of it (the check off, or the
+        copies failed) the communicator is broken on every rank instead. Never raises: the caller raises its own
+        error whatever happens here."""
         announced = False
         if self.call_check and self.ws is not None and not self.broken and self.world > 1:
             try:
@@ -322,6 +323,15 @@ class CudaEngine:
             self.lib.copy_atom(dst, src, nbytes, stream.cuda_stream, max_blocks=1, device=self._index)
         return _wait_stream(stream, seconds)
 
+    def _read_own(self, offset: int, nwords: int, seconds: float) -> Optional[list[int]]:
+        """``nwords`` int64 words at byte ``offset`` of this rank's workspace, copied to the host (one side
+        copy, waited for at most ``seconds``); None if the copy did not finish, its buffer then kept alive."""
+        buf = _pinned_words([0] * nwords)
+        if self._side_copies([(buf.data_ptr(), self.ws.base_ptrs[self.rank] + offset, nwords * 8)], seconds):
+            return buf.tolist()
+        self._late_reads = (*self._late_reads, buf)
+        return None
+
     def _rejection(self) -> Optional[tuple[int, int]]:
         """(peer, call number) of a recorded MISMATCH that is a peer's rejected call, or None."""
         f = native.SNAC_ERROR_FIELDS
@@ -343,14 +353,10 @@ class CudaEngine:
             return
         peer, seq = found
         try:
-            buf = _pinned_words([0] * REJECT_WORDS)
-            entry = self.ws.base_ptrs[self.rank] + self.dlayout.reject(peer)
-            if not self._side_copies([(buf.data_ptr(), entry, REJECT_WORDS * 8)], READ_REJECTION_S):
-                return
-            w = buf.tolist()
+            w = self._read_own(self.dlayout.reject(peer), REJECT_WORDS, READ_REJECTION_S)
         except Exception:  # noqa: BLE001 - the error is raised all the same, without the peer's words
             return
-        if w[0] in (seq, seq - 1):
+        if w is not None and w[0] in (seq, seq - 1):
             nbytes, origin = w[1] & REJECT_MARK, (w[1] >> DESC_SEQ_SHIFT) - 1
             text = words_text(w[2:]) + (" [...]" if nbytes > 8 * (REJECT_WORDS - 2) else "")
             self._reject_causes[found] = (origin if 0 <= origin < self.world else peer, w[0], text)
@@ -379,12 +385,10 @@ class CudaEngine:
         dl, me, ring = self.dlayout, self.rank, native.SNAC_DESC_RING
         nwords = self.world * ring * native.SNAC_DESC_WORDS
         try:
-            buf = _pinned_words([0] * nwords)
-            if not self._side_copies([(buf.data_ptr(), self.ws.base_ptrs[me] + dl.desc_off, nwords * 8)],
-                                     READ_REJECTION_S):
-                return False
-            w = buf.tolist()
+            w = self._read_own(dl.desc_off, nwords, READ_REJECTION_S)
         except Exception:  # noqa: BLE001 - nothing learned: the next call that waits finds it
+            return False
+        if w is None:
             return False
         for peer in range(self.world):
             at = (dl.desc(peer, seq) - dl.desc_off) // 8
@@ -432,13 +436,13 @@ class CudaEngine:
 
     # -- the reset after a rejected call ---------------------------------------------------------
     def resync(self, seq: int) -> int:
-        """The reset every rank runs after a rejected call (``resync_pending``), at the start of its next
-        call (the communicator's usability check): its kernels finished (bounded by ``timeout_s``), a rendezvous of every rank, its protocol state cleared
-        back to a new workspace's (:meth:`DeviceLayout.reset_spans`), a second rendezvous, and the host
-        record cleared. ``seq`` is this rank's last call number; returns the largest of every rank's, the
-        call number every rank continues from. Blocks the host, at most ``timeout_s``. A rank that does not
-        come (dead, or one that never waits for the rejecting rank) is a PurlinTimeoutError naming it, and
-        the engine is broken."""
+        """The reset every rank runs after a rejected call (``resync_pending``), at the start of its next call
+        (the communicator's usability check): its kernels finished (bounded by ``timeout_s``), a rendezvous of
+        every rank, its protocol state cleared back to a new workspace's (:meth:`DeviceLayout.reset_spans`), a
+        second rendezvous, and the host record cleared. ``seq`` is this rank's last call number; returns the
+        largest of every rank's, the call number every rank continues from. Blocks the host, at most
+        ``timeout_s``. A rank that does not come (dead, or one that never waits for the rejecting rank) is a
+        PurlinTimeoutError naming it, and the engine is broken."""
         op, rejected = self.resync_pending or ("collective", seq)
         self.resync_pending = None
         deadline = time.monotonic() + self.timeout_s
@@ -472,17 +476,14 @@ class CudaEngine:
         self._resync_rounds += 1
         n, me, world, dl = self._resync_rounds, self.rank, self.world, self.dlayout
         post = _pinned_words([n, seq])
-        got = _pinned_words([0] * (RESYNC_WORDS * world))
-        self._resync_keep += [post, got]
-        nbytes = RESYNC_WORDS * 8
-        if not self._side_copies([(base + dl.resync(me), post.data_ptr(), nbytes) for base in self.ws.base_ptrs],
-                                 _left(deadline)):
+        self._resync_keep.append(post)
+        if not self._side_copies([(base + dl.resync(me), post.data_ptr(), RESYNC_WORDS * 8)
+                                  for base in self.ws.base_ptrs], _left(deadline)):
             raise self._resync_timeout(op, rejected, "for the copies of its reset words", [me])
-        own = self.ws.base_ptrs[me] + dl.resync_off
         while True:
-            if not self._side_copies([(got.data_ptr(), own, nbytes * world)], max(_left(deadline), READ_REJECTION_S)):
+            w = self._read_own(dl.resync_off, RESYNC_WORDS * world, max(_left(deadline), READ_REJECTION_S))
+            if w is None:
                 raise self._resync_timeout(op, rejected, "for the copy of its reset words", [me])
-            w = got.tolist()
             late = [q for q in range(world) if w[RESYNC_WORDS * q] < n]
             if not late:
                 return [w[RESYNC_WORDS * q + 1] for q in range(world)]
