@@ -12,9 +12,13 @@ iteration, median over iterations):
 
 With ``--profile`` the run is also recorded with the torch profiler and the table of device kernels
 (total time, calls, time per call) is written beside the JSON: the kernels of every part and rank
-together, so per-call figures are what to read. Usage (GPU machine)::
+together, so per-call figures are what to read. With ``--timeline`` (instead of ``--profile``) each
+config is recorded apart and its pair graph's kernels are read back per stream (a stream is a rank):
+each kernel's duration, the gaps between a rank's kernels, the ranks' start spread and the time from
+one dispatch start to the next (``moe_timeline.py``), with ``timeline-T-DTYPE.json`` (the profiler's
+trace) and ``.png`` (a few pairs in step, a row per rank). Usage (GPU machine)::
 
-    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile] [--phases N] [--verbose]
+    python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile | --timeline] [--phases N]
 
 With ``--phases N`` the communicators run with ``moe.trace`` and N more pairs are replayed one at a
 time: the kernels stamp the end of each phase (the GPU's clock), and the table gives each phase's
@@ -69,7 +73,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     world, experts = args.world, args.experts
     inputs = [make_inputs(tokens, args.hidden, args.topk, experts, 1000 * args.seed + r, torch.device("cpu"))
               for r in range(world)]
-    capacity = max(16, -(-max_pair_load([i.ids for i in inputs], experts) // 16) * 16)
+    capacity = args.capacity or max(16, -(-max_pair_load([i.ids for i in inputs], experts) // 16) * 16)
     barrier = threading.Barrier(world, timeout=150.0)  # a rank that raised must not leave its peers waiting
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
                    seed=0, timeout_s=60.0)
@@ -121,6 +125,31 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     return res
 
 
+def timed_config(tokens: int, dtype: str, args, out: Path) -> dict:
+    """run_config under the torch profiler: the MoE kernels of its trace to ``timeline-T-DTYPE.json``, their
+    pair timeline into the result (``timeline``) and a chart of a few pairs in step beside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .moe_timeline import kernel_events, pair_timeline, plot_timeline, read_trace, write_events
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = run_config(tokens, dtype, args)
+    path = out / f"timeline-{tokens}-{dtype}.json"
+    full = out / f".trace-{tokens}-{dtype}.json"  # every kernel of the run (hundreds of MB): read, then dropped
+    prof.export_chrome_trace(str(full))
+    try:
+        events = kernel_events(read_trace(full))
+    finally:
+        full.unlink(missing_ok=True)
+    write_events(events, path)
+    r["timeline"] = pair_timeline(events)
+    why = plot_timeline(events, path.with_suffix(".png"), title=f"{tokens} tokens/rank {dtype}: MoE kernels per "
+                        "rank's stream (blue dispatch, orange combine)")
+    if why:
+        sys.stderr.write(f"  no timeline chart: {why}\n")
+    return r
+
+
 def phase_table(stamps: list[list[dict]]) -> dict:
     """The kernels' phase stamps of one pair per sample (``stamps[rank][sample]``, Communicator.moe_trace)
     as us: for each kind and phase, the time since the rank's previous phase ended; a dispatch's
@@ -155,9 +184,14 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--calls", type=int, default=10, help="calls per captured graph")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="rows per (source rank, expert) (default: the routing's largest, rounded up to 16, at least 16)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="also write the torch profiler's kernel table")
+    p.add_argument("--timeline", action="store_true",
+                   help="also record each config with the torch profiler and give the pair graph's kernel timeline "
+                        "(durations, gaps between kernels, the ranks' start spread: bench/moe_timeline.py)")
     p.add_argument("--one-pass", choices=("on", "off"), default="on",
                    help="moe.one_pass (on: rows straight into the receivers' outputs; off: the receive-slot path)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
@@ -168,6 +202,10 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true", help="print each rank's capture and replays as they begin")
     p.add_argument("--out", default="bench-results/moe-parts")
     args = p.parse_args(argv)
+    if args.profile and args.timeline:
+        p.error("--profile and --timeline each record with the profiler: choose one")
+    if args.capacity is not None and args.capacity < 1:
+        p.error("--capacity must be at least 1")
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # stopped: say where every rank was
     if not torch.cuda.is_available():
         print("purlin-sglang: error: bench moe_parts needs a CUDA GPU", file=sys.stderr)
@@ -184,7 +222,7 @@ def main(argv=None) -> int:
         prof.__enter__()
     for n, (t, d) in enumerate(configs, 1):
         sys.stderr.write(f"[{n}/{len(configs)}] tokens {t} {d}\n")
-        r = run_config(t, d, args)
+        r = timed_config(t, d, args, out) if args.timeline else run_config(t, d, args)
         results.append(r)
         sys.stderr.write("  " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_us")) + "\n")
     if prof is not None:
@@ -197,6 +235,9 @@ def main(argv=None) -> int:
     for r in results:
         print(f"{r['tokens']} {r['dtype']} {r['capacity']} " + " ".join(f"{r.get(k, float('nan')):.1f}" for k in keys))
     for r in results:
+        if "timeline" in r:
+            print(f"{r['tokens']} {r['dtype']} pair timeline, us (median): " +
+                  ", ".join(f"{k} {v}" for k, v in r["timeline"].items()))
         for kind, phases in r.get("phases", {}).items():
             print(f"{r['tokens']} {r['dtype']} {kind} phases, us (median / max over ranks): " +
                   ", ".join(f"{n} {v['median']:.1f} / {v['max']:.1f}" for n, v in phases.items()))
