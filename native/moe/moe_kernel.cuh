@@ -126,6 +126,13 @@ __device__ __forceinline__ void sig_release(const PurlinMoeParams& p, long long*
     snac::st_release_sys(w, v);
   }
 }
+__device__ __forceinline__ void sig_add(const PurlinMoeParams& p, long long* w, long long v) {
+  if (p.one_device) {
+    snac::red_release_gpu(w, v);
+  } else {
+    snac::red_release_sys(w, v);
+  }
+}
 __device__ __forceinline__ void sig_fence(const PurlinMoeParams& p) {
   if (p.one_device) {
     __threadfence();
@@ -145,9 +152,9 @@ __device__ __forceinline__ void stamp(const PurlinMoeParams& p, int kind, int ph
 }
 
 // Wait until (*w without kRejectBit) >= target (relaxed polls, then one acquire); false on timeout or a
-// fatal error.
+// fatal error. A word that counts per_call a call (arrive_all) is recorded in calls.
 __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, long long target, int kind,
-                               long long peer) {
+                               long long peer, long long per_call = 1) {
   long long v = sig_relaxed(p, w) & ~kRejectBit;
   if (v < target) {
     const unsigned long long t0 = globaltimer();
@@ -155,7 +162,7 @@ __device__ inline bool wait_ge(const PurlinMoeParams& p, const long long* w, lon
     while ((v = sig_relaxed(p, w) & ~kRejectBit) < target) {
       if (*fatal) return false;
       if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
-        record(p, kTimeout, kind, peer, -1, 0, 0, target, v, true);
+        record(p, kTimeout, kind, peer, -1, 0, 0, target / per_call, v / per_call, true);
         return false;
       }
     }
@@ -192,6 +199,17 @@ __device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter,
   }
   __syncthreads();
   return *s_flag != 0;
+}
+
+// Every block of this call, once its work is done: adds one to word[me] in every rank's region (release,
+// threads 0..W-1; no block waits for another). A rank has seen all of producer q's work of call e once
+// its word q reaches e * blocks (every rank's grid has `blocks` blocks).
+__device__ inline void arrive_all(const PurlinMoeParams& p, long long off) {
+  __syncthreads();
+  if (threadIdx.x < p.world) {
+    sig_fence(p);
+    sig_add(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[threadIdx.x]) + off) + p.rank, 1);
+  }
 }
 
 __device__ inline void finish(long long* exit_counter, long long* epoch_word, long long epoch) {
@@ -972,17 +990,17 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
 //              receiver records the overflow); the part at unit 0 also writes the row's expert, source,
 //              slot and scale there; out_ref[t, k] = d << 32 | row for the combine. FP8 rows as in the
 //              receive-slot path: read once where held_rows holds them
-//   delivered  the last block to arrive writes ddone[me] = e in every rank's region (release)
+//   delivered  each block, its rows put, adds one to ddone[me] in every rank's region (release)
 //   pad        each block, for its local experts: out_counts, padding rows (expert -1), overflow records
-//   wait       threads poll ddone[q] >= e for every q: every row of mine has landed
+//   wait       threads poll ddone[q] >= e * blocks for every q: every row of mine has landed
 // combine, epoch e:
 //   ready out  block 0: expert_out into my pointer block, its epoch word = e (release; a rank that rejected
 //              its arguments: e | kRejectBit)
 //   ready in   threads poll every rank's epoch word (a reject bit: skip the reduce, record kRejected)
 //   reduce     y[t] = sum_k w[t,k] * expert_out_d[row], float32 (no FMA contraction), k = 0..K-1, the rows
 //              read where they lie
-//   done       the last block to arrive writes done[me] = e in every rank's region (release)
-//   wait       threads poll done[q] >= e: no rank reads my expert_out any more when my kernel ends
+//   done       each block, its reduce done, adds one to done[me] in every rank's region (release)
+//   wait       threads poll done[q] >= e * blocks: no rank reads my expert_out any more when my kernel ends
 
 struct PtrBlock {  // PURLIN_MOE_PTR_WORDS words
   long long out_x, out_expert, out_src, out_slot, out_scales, capacity, d_pad[2];
@@ -1157,11 +1175,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
     }
   }
   stamp(p, 0, 3);
-  // delivered: the last block of my grid to finish its rows tells every rank
-  if (arrive_last(p, st + kDispArrive, e, &s.flag) && tid < W) {
-    sig_fence(p);
-    sig_release(p, ddone_word(p, tid, p.rank), e);
-  }
+  // delivered: each block of my grid, its rows put, tells every rank
+  arrive_all(p, p.ddone_off);
   stamp(p, 0, 4);
   if (!s.fail && !s.bad) {
     // my local experts' counts (every block: the W * L words read at once; pre is free after the puts),
@@ -1190,7 +1205,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   __syncthreads();
   stamp(p, 0, 5);
   // wait: every producer's rows to me have landed (also after an error: the counters stay in step)
-  if (!s.fail && tid < W && !wait_ge(p, ddone_word(p, p.rank, tid), e, 0, tid)) s.fail = 1;
+  if (!s.fail && tid < W && !wait_ge(p, ddone_word(p, p.rank, tid), e * p.blocks, 0, tid, p.blocks)) s.fail = 1;
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 0, 6);
   finish(st + kDispExit, st + kDispEpoch, e);
@@ -1209,7 +1224,7 @@ __device__ inline void reduce_one_pass(const PurlinMoeParams& p, const long long
 
 __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kernel(PurlinMoeParams p) {
   __shared__ long long s_e, s_eo[PURLIN_MOE_MAX_RANKS];
-  __shared__ int s_flag, s_fail, s_rej;
+  __shared__ int s_fail, s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -1256,12 +1271,9 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
   }
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 1, 3);
-  // done: this rank reads no expert output any more
-  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {
-    sig_fence(p);
-    sig_release(p, done_word(p, tid, p.rank), e);
-  }
-  if (!s_fail && tid < W && !wait_ge(p, done_word(p, p.rank, tid), e, 1, tid)) s_fail = 1;
+  // done: this block reads no expert output any more
+  arrive_all(p, p.done_off);
+  if (!s_fail && tid < W && !wait_ge(p, done_word(p, p.rank, tid), e * p.blocks, 1, tid, p.blocks)) s_fail = 1;
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 1, 4);
   finish(st + kCombExit, st + kCombEpoch, e);

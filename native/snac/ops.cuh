@@ -95,6 +95,13 @@ __device__ __forceinline__ long long ld_acquire_gpu(const long long* p) {
 __device__ __forceinline__ void st_release_gpu(long long* p, long long v) {
   asm volatile("st.release.gpu.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
+// Adds v to *p with release semantics (no result: the adding thread does not wait for it).
+__device__ __forceinline__ void red_release_sys(long long* p, long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_release_gpu(long long* p, long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void st_volatile(long long* p, long long v) {
   asm volatile("st.volatile.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }

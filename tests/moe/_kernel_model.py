@@ -73,13 +73,13 @@ class FakeMoELib:
         h[1:9] = (kind, p.rank, peer, expert, count, cap, epoch, seen)
         h[0] = code
 
-    def _wait(self, p, addr, target, kind, peer):
+    def _wait(self, p, addr, target, kind, peer, per_call=1):
         t0 = time.monotonic()
         while int(i64(addr)[0]) & ~REJECT_BIT < target:
             if i64(p.bases[p.rank] + p.state_off, 16)[K_FATAL]:
                 return False
             if time.monotonic() - t0 > self.timeout_s:
-                self._record(p, 1, kind, peer, -1, 0, 0, target, int(i64(addr)[0]), True)
+                self._record(p, 1, kind, peer, -1, 0, 0, target // per_call, int(i64(addr)[0]) // per_call, True)
                 return False
             time.sleep(0)
         return True
@@ -267,12 +267,12 @@ class FakeMoELib:
                 if b[4]:
                     f32(int(b[4]) + 4 * row)[0] = float(scales[t]) if scales is not None else 1.0
                 ref[i] = d << 32 | row
-        for d in range(w_):
-            i64(p.bases[d] + p.ddone_off + 8 * me)[0] = e
+        for d in range(w_):  # every block adds one (arrive_all)
+            i64(p.bases[d] + p.ddone_off + 8 * me)[0] += p.blocks
         if ok:
             self._pad(p, self._receive_counts(p, np.stack([cnt[(me, q)] for q in range(w_)]), ids, e))
             for q in range(w_):
-                self._wait(p, p.bases[me] + p.ddone_off + 8 * q, e, 0, q)
+                self._wait(p, p.bases[me] + p.ddone_off + 8 * q, e * p.blocks, 0, q, p.blocks)
         st[K_DISP_EPOCH] = e
         return 0
 
@@ -308,10 +308,10 @@ class FakeMoELib:
                     acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(raw), dtype=dt).to(torch.float32)
             out = acc.to(dt).contiguous().view(torch.uint8).numpy()
             ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+        for q in range(w_):  # every block adds one (arrive_all)
+            i64(p.bases[q] + p.done_off + me * 8)[0] += p.blocks
         for q in range(w_):
-            i64(p.bases[q] + p.done_off + me * 8)[0] = e
-        for q in range(w_):
-            self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q)
+            self._wait(p, p.bases[me] + p.done_off + q * 8, e * p.blocks, 1, q, p.blocks)
         st[K_COMB_EPOCH] = e
         return 0
 
