@@ -15,8 +15,8 @@ With ``--profile`` the run is also recorded with the torch profiler and the tabl
 together, so per-call figures are what to read. With ``--timeline`` (instead of ``--profile``) each
 config is recorded apart and its pair graph's kernels are read back per stream (a stream is a rank):
 each kernel's duration, the gaps between a rank's kernels, the ranks' start spread and the time from
-one dispatch start to the next (``moe_timeline.py``), with ``timeline-T-DTYPE.json`` (the profiler's
-trace) and ``.png`` (a few pairs in step, a row per rank). Usage (GPU machine)::
+one dispatch start to the next (``moe_timeline.py``), with ``timeline-T-DTYPE.json`` (the MoE kernels of
+the profiler's trace) and ``.png`` (a few pairs in step, a row per rank). Usage (GPU machine)::
 
     python -m purlin_sglang.bench.moe_parts --tokens 1,128,4096 --out DIR [--profile | --timeline] [--phases N]
 

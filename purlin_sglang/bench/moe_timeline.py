@@ -2,9 +2,10 @@
 
 ``python -m purlin_sglang.bench.moe_parts --timeline`` records its run with the torch profiler (CUPTI
 kernel records: start and end of each kernel on each stream, graph replays included) and reads the
-profiler's trace here, keeping the MoE kernels alone (``write_events``). Each virtual rank replays its graphs on a stream of its own, so a stream is a
-rank. The pair graph's kernels alternate dispatch, combine on each stream; ``pair_timeline`` takes
-those runs and tells, in us (medians over pairs, and the ranks' spread):
+profiler's trace here, keeping the MoE kernels alone (``write_events``). Each virtual rank replays its
+graphs on a stream of its own, so a stream is a rank. The pair graph's kernels alternate dispatch,
+combine on each stream; ``pair_timeline`` takes those runs and tells, in us (medians over pairs, and
+the ranks' spread):
 
 * ``dispatch`` / ``combine``: a kernel's duration on its stream (start to end);
 * ``gap_dispatch_combine`` / ``gap_combine_dispatch``: from a kernel's end to the next kernel's start
@@ -22,6 +23,8 @@ import statistics
 from pathlib import Path
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
+PAUSE_US = 1000.0  # a combine's end to the next dispatch's start this long or longer: a pause between the
+                   # tool's steps (a host barrier, another graph), not a pair following a pair
 
 
 def _kind(name: str) -> str | None:
@@ -66,14 +69,19 @@ def pairs_of(events: list[tuple[str, float, float]]) -> list[tuple[tuple, tuple]
     return pairs
 
 
+def stream_pairs(by_stream: dict[str, list[tuple[str, float, float]]]) -> dict[str, list[tuple[tuple, tuple]]]:
+    """``pairs_of`` each stream, the streams without a pair left out."""
+    per = {s: pairs_of(ev) for s, ev in by_stream.items()}
+    return {s: p for s, p in per.items() if p}
+
+
 def _med(v: list[float]) -> float | None:
     return round(statistics.median(v), 2) if v else None
 
 
 def pair_timeline(by_stream: dict[str, list[tuple[str, float, float]]]) -> dict:
     """Medians (us) of the pair graph's kernels over every stream and pair; see the module doc."""
-    per = {s: pairs_of(ev) for s, ev in by_stream.items()}
-    per = {s: p for s, p in per.items() if p}
+    per = stream_pairs(by_stream)
     if not per:
         return {"streams": 0, "pairs": 0}
     dur_d, dur_c, gap_dc, gap_cd, period = [], [], [], [], []
@@ -84,7 +92,7 @@ def pair_timeline(by_stream: dict[str, list[tuple[str, float, float]]]) -> dict:
             gap_dc.append(c[1] - d[2])
             if i + 1 < len(p):
                 nd = p[i + 1][0]
-                if 0 <= nd[1] - c[2] < 1000.0:  # the same replay's next pair (not the gap between replays)
+                if 0 <= nd[1] - c[2] < PAUSE_US:
                     gap_cd.append(nd[1] - c[2])
                     period.append(nd[1] - d[1])
     n = min(len(p) for p in per.values())
@@ -122,8 +130,7 @@ def plot_timeline(by_stream: dict[str, list[tuple[str, float, float]]], path: Pa
         import matplotlib.pyplot as plt
     except ImportError:
         return "install matplotlib for plots (pip install 'purlin-sglang[bench]')"
-    per = {s: pairs_of(ev) for s, ev in by_stream.items()}
-    per = {s: p for s, p in per.items() if p}
+    per = stream_pairs(by_stream)
     if not per:
         return "no pair kernels in the trace"
     n = min(len(p) for p in per.values())
