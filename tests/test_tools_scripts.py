@@ -163,6 +163,15 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     cmds, steps = dry(tmp_path, "--base", "HEAD", "ab", "engine", "--rounds", "1", "engine")  # a mode, then a step
     assert [s.split()[0] for s in steps] == ["ab", "engine"]
     assert sum("bench_cuda_engine.py" in c for c in cmds) == 3
+    # two ab steps in one run: each its own directory (the second does not replace the first's records)
+    cmds, steps = dry(tmp_path, "--base", "HEAD", "ab", "moe", "--rounds", "1", "--tokens", "1", "ab", "moe",
+                      "--rounds", "1", "--tokens", "128")
+    assert [s.split()[0] for s in steps] == ["ab", "ab-2"] and "table ab-2/table.md" in steps[1]
+    moe = [c for c in cmds if "bench moe" in c]
+    assert [re.search(r"/out/(ab(?:-2)?)/moe-", c).group(1) for c in moe] == ["ab", "ab", "ab-2", "ab-2"]
+    assert all("--tokens 1 --out" in c for c in moe[:2]) and all("--tokens 128 --out" in c for c in moe[2:])
+    tables = [c for c in cmds if "results_table.py" in c]
+    assert [t.split("results_table.py ")[1].split()[0] for t in tables] == [f"{tmp_path}/out/ab", f"{tmp_path}/out/ab-2"]
 
 
 def test_ab_without_git_history_takes_the_packed_base_or_says_how_to_make_it(tmp_path):

@@ -62,9 +62,10 @@ is a step name, attach it to its option, e.g. -kmoe):
   ab MODE [--rounds N] [--run-limit SECONDS] [ARGS]
                          this build against the baseline (--base), built in the same call, each in
                          its own processes, alternating, N rounds (default 3); the scripts of this
-                         tree time both -> OUT/ab/, the table OUT/ab/table.md; --run-limit: each
-                         benchmark run is stopped after SECONDS and counts as failed, so one that
-                         hangs does not spend the rest of the budget. MODE:
+                         tree time both -> OUT/ab/, the table OUT/ab/table.md (a second ab step of
+                         the run: OUT/ab-2/, and so on); --run-limit: each benchmark run is stopped
+                         after SECONDS and counts as failed, so one that hangs does not spend the
+                         rest of the budget. MODE:
                            graph        benchmarks/bench_graph_ab.py (packet path, CUDA graphs)
                            eager        benchmarks/bench_eager_host.py (host time of an eager call)
                            engine       benchmarks/bench_cuda_engine.py
@@ -454,7 +455,7 @@ ab_kernel() {
 step_ab() {
   parse_ab "$@" || { RESULT=$WHY; return 1; }
   need_build || return 1
-  local dir=$OUT_DIR/ab r lab failed=0 kind
+  local dir=$OUT_DIR/$TAG r lab failed=0 kind  # a second ab step of the run: OUT/ab-2/
   if ((!DRY)); then  # this mode's records of an earlier run in the same --out
     mkdir -p "$dir" || return 1
     for kind in $([[ $AB_MODE == kernel ]] && echo collectives parts || echo "$AB_MODE"); do
@@ -463,7 +464,7 @@ step_ab() {
     rm -f "$dir/table.md"
   fi
   if ! ab_build_base "$dir"; then
-    RESULT="the baseline $BASE_NAME did not build (ab/build-base.log)"
+    RESULT="the baseline $BASE_NAME did not build ($TAG/build-base.log)"
     LOG=$dir/build-base.log  # the log whose end the run shows
     return 1
   fi
@@ -475,7 +476,7 @@ step_ab() {
   done
   RUN_LIMIT=0
   run "$dir/table.md" "$dir/table.md" python3 tools/results_table.py "$dir"
-  RESULT="$AB_MODE: $AB_ROUNDS rounds, this build against $BASE_NAME; $failed runs failed; table ab/table.md"
+  RESULT="$AB_MODE: $AB_ROUNDS rounds, this build against $BASE_NAME; $failed runs failed; table $TAG/table.md"
   ((failed == 0))
 }
 
