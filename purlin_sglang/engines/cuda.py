@@ -73,7 +73,7 @@ class _Arena:
     copy kernel on the caller's stream. No copy engine and no host-blocking copy is on the call path:
     a synchronous host-to-device copy blocks this rank's thread until its stream drains, and in
     loopback (every rank on one GPU) that stalled a peer's launches while its kernels waited for
-    them (the intermittent world-8 timeout of docs/RESULTS.md). No device allocation happens on the
+    them until the timeout (docs/DESIGN.md, "Loopback caveats"). No device allocation happens on the
     call path either: in loopback a cudaMalloc while other ranks' kernels run serializes the streams
     (CUDA's implicit synchronization) and would cost a timeout. Regions are never reused, so the
     host never overwrites words a pending copy still reads."""
