@@ -110,9 +110,11 @@ __device__ inline void record_counts(const PurlinMoeParams& p, const int* cnt, l
   if (lane == 0 && nbad > 0) record(p, kBadIds, 0, -1, -1, nbad, 0, e, 0, false);
 }
 
-// Signals between ranks (count words, done words, the arrival fences): at system scope, or at GPU scope
-// when every rank's region lies on this GPU (p.one_device: virtual ranks), where a system-scope fence
-// orders nothing more and costs more.
+// Signals between ranks (count words, done words, arrival counters): at system scope, or at GPU scope
+// when every rank's region lies on this GPU (p.one_device: virtual ranks), where system scope orders
+// nothing more and costs more. A signal is a release (store, add) or an acquire-release add after a
+// __syncthreads, with no fence of its own: a release is cumulative, so what the block's threads did before
+// the barrier is visible to the rank that acquires the word (the PTX memory model's release pattern).
 __device__ __forceinline__ long long sig_relaxed(const PurlinMoeParams& p, const long long* w) {
   return p.one_device ? snac::ld_relaxed_gpu(w) : snac::ld_relaxed_sys(w);
 }
@@ -133,12 +135,17 @@ __device__ __forceinline__ void sig_add(const PurlinMoeParams& p, long long* w, 
     snac::red_release_sys(w, v);
   }
 }
-__device__ __forceinline__ void sig_fence(const PurlinMoeParams& p) {
+// Adds 1 to *w and returns the old value, acquire-release: this thread's earlier accesses (and those a
+// __syncthreads before it ordered) are visible to whoever acquires *w later, and what they released is
+// visible to this thread after it (one atomic, no fence before or after it).
+__device__ __forceinline__ unsigned long long sig_fetch_add(const PurlinMoeParams& p, long long* w) {
+  unsigned long long old;
   if (p.one_device) {
-    __threadfence();
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(w) : "memory");
   } else {
-    __threadfence_system();
+    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(w) : "memory");
   }
+  return old;
 }
 
 // Phase stamps (p.trace, when given): block 0's thread 0 stores the globaltimer at the end of each phase,
@@ -188,14 +195,13 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, long lon
   for (; i < nv; i += 32) d[i] = s[i];
 }
 
-// The last block of this call to arrive (counter adds one per block and call): true in every thread.
+// The last block of this call to arrive (counter adds one per block and call): true in every thread. The
+// add is acquire-release, so the last block sees every block's work (the barrier before it orders this
+// block's threads' accesses before the add; the one after it, the add before what the block does next).
 __device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter, long long epoch, int* s_flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    sig_fence(p);
-    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
-    *s_flag = old == static_cast<unsigned long long>(epoch) * gridDim.x - 1;
-    if (*s_flag) __threadfence();
+    *s_flag = sig_fetch_add(p, counter) == static_cast<unsigned long long>(epoch) * gridDim.x - 1;
   }
   __syncthreads();
   return *s_flag != 0;
@@ -203,11 +209,12 @@ __device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter,
 
 // Every block of this call, once its work is done: adds one to word[me] in every rank's region (release,
 // threads 0..W-1; no block waits for another). A rank has seen all of producer q's work of call e once
-// its word q reaches e * blocks (every rank's grid has `blocks` blocks).
+// its word q reaches e * blocks (every rank's grid has `blocks` blocks). No fence before the adds: a
+// release is cumulative, so the barrier's ordering of every thread's puts before it carries to the
+// rank that acquires the word (the release pattern of the PTX memory model).
 __device__ inline void arrive_all(const PurlinMoeParams& p, long long off) {
   __syncthreads();
   if (threadIdx.x < p.world) {
-    sig_fence(p);
     sig_add(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[threadIdx.x]) + off) + p.rank, 1);
   }
 }
@@ -302,9 +309,8 @@ __device__ inline void count_words_out(const PurlinMoeParams& p, const DispatchS
     else if (c == 1) cw[2] = meta(p);
     else reinterpret_cast<int*>(cw + 3)[c - 2] = s.cnt[d * L + c - 2];
   }
-  __syncthreads();
+  __syncthreads();  // the block's words, then the epoch (a release: cumulative over the barrier's order)
   if (threadIdx.x < W) {
-    sig_fence(p);
     sig_release(p, count_word(p, threadIdx.x, par, p.rank), e);
   }
 }
@@ -940,8 +946,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   if (tid == 0) s_rej = 0;
   if (!p.reject) put_back(p, par, s_rows, s_wcnt);  // a rank that rejected its arguments puts nothing back
   stamp(p, 1, 1);
-  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {
-    sig_fence(p);
+  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {  // released after what the last block acquired
     sig_release(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
                 p.reject ? (e | kRejectBit) : e);
   }
@@ -1245,7 +1250,6 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
   if (blockIdx.x == 0 && tid == 0) {
     PtrBlock* b = ptr_block(p, p.rank, par);
     b->expert_out = reinterpret_cast<long long>(p.expert_out);
-    sig_fence(p);
     sig_release(p, &b->c_epoch, p.reject ? (e | kRejectBit) : e);
   }
   stamp(p, 1, 1);
