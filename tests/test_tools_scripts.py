@@ -174,7 +174,7 @@ def test_ab_builds_the_base_and_alternates_the_builds_round_by_round(tmp_path):
     assert [t.split("results_table.py ")[1].split()[0] for t in tables] == [f"{tmp_path}/out/ab", f"{tmp_path}/out/ab-2"]
 
 
-def test_ab_without_git_history_takes_the_packed_base_or_says_how_to_make_it(tmp_path):
+def test_ab_takes_the_packed_base_first_or_says_how_to_make_it(tmp_path):
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
     for name in ("gpu.sh", "gpu_serve.sh"):
@@ -192,6 +192,16 @@ def test_ab_without_git_history_takes_the_packed_base_or_says_how_to_make_it(tmp
     assert r.returncode == 0, r.stderr
     assert f"tar -xzf .whl/base.tar.gz -C {tmp_path}/work/base-src" in r.stdout
     assert "against .whl/base.tar.gz (0123456789)" in r.stdout
+    # with a git history too (the device's copy of it may name an older main), the packed base still wins;
+    # an explicit --base REF takes the history
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q", "-b", "main"], ["add", "tools"], ["commit", "-q", "-m", "x"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    r = gpu("--dry-run", "--work", str(tmp_path / "work"), "ab", "eager", "--rounds", "1", runner=runner)
+    assert r.returncode == 0 and "against .whl/base.tar.gz (0123456789)" in r.stdout, r.stdout + r.stderr
+    r = gpu("--dry-run", "--work", str(tmp_path / "work"), "--base", "main", "ab", "eager", "--rounds", "1",
+            runner=runner)
+    assert r.returncode == 0 and "git -C" in r.stdout and "(main)" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs this repository's git history")

@@ -22,9 +22,9 @@ Options (before the first step):
   --out DIR        logs and results (default: $OUT, else WORK/out)
   --work DIR       scratch: the site dirs and builds (default /tmp/purlin-gpu); on a machine kept
                    between calls, setup and ab rebuild only what changed
-  --base REF       the baseline of ab: a git ref, or a .tar.gz made by pack-base (default: the
-                   merge-base of HEAD and main; where there is no git history, base.tar.gz in the
-                   first --wheels DIR)
+  --base REF       the baseline of ab: a git ref, or a .tar.gz made by pack-base (default:
+                   base.tar.gz in the first --wheels DIR where pack-base wrote one, else the
+                   merge-base of HEAD and main)
   --budget SECONDS no step starts after SECONDS and a running one is stopped then (default: no
                    limit; for a 600 s device call, --budget 540)
   --keep-going     run every step, even after one failed
@@ -246,11 +246,11 @@ base_archive() {  # an archive of git archive names its commit in its header
   BASE_NAME="$1 ($commit)"
 }
 
-resolve_base() {
-  if [[ -n $BASE && -f $BASE ]]; then base_archive "$BASE"; return 0; fi
-  if git_here; then resolve_ref; return; fi
+resolve_base() {  # no --base: a packed base first (the device's copy of the history may name an older main)
   local archive="${WHEELS[0]}/base.tar.gz"
+  if [[ -n $BASE && -f $BASE ]]; then base_archive "$BASE"; return 0; fi
   if [[ -z $BASE && -f $archive ]]; then base_archive "$archive"; return 0; fi
+  if git_here; then resolve_ref; return; fi
   if [[ -n $BASE ]]; then WHY="--base $BASE: no such file, and no git history here to find it in"
   else WHY="no --base, no git history here and no $archive"; fi
   WHY+="; where the history is, run 'bash tools/gpu.sh --base REF pack-base' (it writes ${WHEELS[0]}/base.tar.gz)"
