@@ -139,13 +139,7 @@ __device__ __forceinline__ void sig_add(const PurlinMoeParams& p, long long* w, 
 // __syncthreads before it ordered) are visible to whoever acquires *w later, and what they released is
 // visible to this thread after it (one atomic, no fence before or after it).
 __device__ __forceinline__ unsigned long long sig_fetch_add(const PurlinMoeParams& p, long long* w) {
-  unsigned long long old;
-  if (p.one_device) {
-    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(w) : "memory");
-  } else {
-    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(w) : "memory");
-  }
-  return old;
+  return p.one_device ? snac::fetch_inc_acq_rel_gpu(w) : snac::fetch_inc_acq_rel_sys(w);
 }
 
 // Phase stamps (p.trace, when given): block 0's thread 0 stores the globaltimer at the end of each phase,
@@ -209,9 +203,8 @@ __device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter,
 
 // Every block of this call, once its work is done: adds one to word[me] in every rank's region (release,
 // threads 0..W-1; no block waits for another). A rank has seen all of producer q's work of call e once
-// its word q reaches e * blocks (every rank's grid has `blocks` blocks). No fence before the adds: a
-// release is cumulative, so the barrier's ordering of every thread's puts before it carries to the
-// rank that acquires the word (the release pattern of the PTX memory model).
+// its word q reaches e * blocks (every rank's grid has `blocks` blocks). No fence before the adds (the
+// signals' note above).
 __device__ inline void arrive_all(const PurlinMoeParams& p, long long off) {
   __syncthreads();
   if (threadIdx.x < p.world) {

@@ -102,6 +102,17 @@ __device__ __forceinline__ void red_release_sys(long long* p, long long v) {
 __device__ __forceinline__ void red_release_gpu(long long* p, long long v) {
   asm volatile("red.release.gpu.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
+// Adds 1 to *p, acquire-release, and returns the old value (a last-arriver election without fences).
+__device__ __forceinline__ unsigned long long fetch_inc_acq_rel_sys(long long* p) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(p) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned long long fetch_inc_acq_rel_gpu(long long* p) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(p) : "memory");
+  return old;
+}
 __device__ __forceinline__ void st_volatile(long long* p, long long v) {
   asm volatile("st.volatile.global.b64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
