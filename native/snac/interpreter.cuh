@@ -147,24 +147,24 @@ __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, lo
   }
 }
 
-// Thread 0: this block has done its share of the ops before `o` (the first of a run of signals);
-// true for the LAST block to arrive, which then gives every signal of the run.
+// Thread 0, after a __syncthreads: this block has done its share of the ops before `o` (the first of a
+// run of signals); true for the LAST block to arrive, which then gives every signal of the run. One
+// acquire-release add and no fence: its release covers what the barrier ordered before it (every
+// thread's copies), and its acquire makes every earlier block's work visible to the last block, whose
+// signals (releases after the next barrier) pass it on.
 __device__ inline bool arrive_last(const long long* o, const PurlinSnacParams& p) {
-  __threadfence();
-  auto* ctr = reinterpret_cast<unsigned long long*>(own(p) + p.arrive_off + o[3] * 8);
-  const unsigned long long old = atomicAdd(ctr, 1ull);
-  const bool last = (old + 1) % static_cast<unsigned long long>(p.blocks) == 0;
-  if (last) __threadfence();
-  return last;
+  auto* ctr = reinterpret_cast<long long*>(own(p) + p.arrive_off + o[3] * 8);
+  return (fetch_inc_acq_rel_sys(ctr) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
 }
 
-// One thread of the last block: give one signal (a system-scope release store of the new count).
+// One thread of the last block: give one signal (a system-scope release store of the new count). No
+// fence before it: a release is cumulative, so what this thread saw (the election's acquire, passed on
+// by the barrier after it) is visible to the peer that acquires the count.
 __device__ inline void give_signal(const long long* o, const PurlinSnacParams& p) {
   const int kind = sub_of(o[0]);
   const long long peer = o[1], item = o[2], k = o[4];
   char* me = own(p);
   char* remote = static_cast<char*>(p.bases[peer]);
-  __threadfence_system();
   if (kind == kNotify) {
     const long long v = ld_relaxed_sys(word(me, p.sent_off, p, peer, item)) + k;
     st_release_sys(word(remote, p.notify_off, p, p.rank, item), v);
@@ -184,11 +184,12 @@ __device__ inline bool exec_wait(const long long* o, const PurlinSnacParams& p, 
   return wait_ge(p, w, start + k, index, kind, peer, item);
 }
 
+// Thread 0, after a __syncthreads: every block of the grid meets here (one acquire-release add, then the
+// wait's acquire polls: each block's work before it is visible to every block after it; no fence).
 __device__ inline bool exec_barrier(const long long* o, const PurlinSnacParams& p, long long index) {
-  auto* ctr = reinterpret_cast<unsigned long long*>(own(p) + p.arrive_off + o[1] * 8);
-  __threadfence();
+  auto* ctr = reinterpret_cast<long long*>(own(p) + p.arrive_off + o[1] * 8);
   const unsigned long long b = static_cast<unsigned long long>(p.blocks);
-  const unsigned long long old = atomicAdd(ctr, 1ull);
+  const unsigned long long old = fetch_inc_acq_rel_sys(ctr);
   const long long target = static_cast<long long>((old / b + 1) * b);
   return wait_ge(p, reinterpret_cast<const long long*>(ctr), target, index, kBarrierKind, p.rank, o[1]);
 }
@@ -278,11 +279,9 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   }
   if (p.n_updates == 0) return;  // no mirrors to write back: no exit counter, no fences
   __syncthreads();
-  if (lead) {
-    __threadfence();
-    auto* ctr = reinterpret_cast<unsigned long long*>(me + p.exit_off);
-    s_last = (atomicAdd(ctr, 1ull) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
-    if (s_last) __threadfence();
+  if (lead) {  // acquire-release: every block's reads of the mirrors come before the last block's writes
+    auto* ctr = reinterpret_cast<long long*>(me + p.exit_off);
+    s_last = (fetch_inc_acq_rel_sys(ctr) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
   }
   __syncthreads();
   if (!s_last) return;
@@ -293,7 +292,6 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
     long long* m = reinterpret_cast<long long*>(me + up[2 * u]);
     *m = *m + up[2 * u + 1];
   }
-  __threadfence();
 }
 
 }  // namespace purlin::snac
