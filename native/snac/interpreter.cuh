@@ -147,14 +147,17 @@ __device__ inline bool wait_ge(const PurlinSnacParams& p, const long long* w, lo
   }
 }
 
-// Thread 0, after a __syncthreads: this block has done its share of the ops before `o` (the first of a
-// run of signals); true for the LAST block to arrive, which then gives every signal of the run. One
-// acquire-release add and no fence: its release covers what the barrier ordered before it (every
-// thread's copies), and its acquire makes every earlier block's work visible to the last block, whose
-// signals (releases after the next barrier) pass it on.
-__device__ inline bool arrive_last(const long long* o, const PurlinSnacParams& p) {
-  auto* ctr = reinterpret_cast<long long*>(own(p) + p.arrive_off + o[3] * 8);
+// Thread 0, after a __syncthreads: true for the LAST block of the grid to add to the monotonic counter
+// ctr this round. One acquire-release add and no fence: its release covers what the barrier ordered
+// before it (every thread's copies and reads), and its acquire makes every earlier block's work visible
+// to the last block (whose signals, releases after the next barrier, pass it on).
+__device__ inline bool last_to_arrive(long long* ctr, const PurlinSnacParams& p) {
   return (fetch_inc_acq_rel_sys(ctr) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
+}
+// This block has done its share of the ops before `o` (the first of a run of signals); the last block to
+// arrive then gives every signal of the run.
+__device__ inline bool arrive_last(const long long* o, const PurlinSnacParams& p) {
+  return last_to_arrive(reinterpret_cast<long long*>(own(p) + p.arrive_off + o[3] * 8), p);
 }
 
 // One thread of the last block: give one signal (a system-scope release store of the new count). No
@@ -280,8 +283,7 @@ __global__ void __launch_bounds__(SnacConfig::kThreads, 1) snac_kernel(PurlinSna
   if (p.n_updates == 0) return;  // no mirrors to write back: no exit counter, no fences
   __syncthreads();
   if (lead) {  // acquire-release: every block's reads of the mirrors come before the last block's writes
-    auto* ctr = reinterpret_cast<long long*>(me + p.exit_off);
-    s_last = (fetch_inc_acq_rel_sys(ctr) + 1) % static_cast<unsigned long long>(p.blocks) == 0;
+    s_last = last_to_arrive(reinterpret_cast<long long*>(me + p.exit_off), p);
   }
   __syncthreads();
   if (!s_last) return;
