@@ -130,7 +130,8 @@ def timed_config(tokens: int, dtype: str, args, out: Path) -> dict:
     pair timeline into the result (``timeline``) and a chart of a few pairs in step beside it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .moe_timeline import kernel_events, pair_timeline, plot_timeline, read_trace, write_events
+    from .moe_timeline import (kernel_events, pair_timeline, plot_timeline, read_trace, replay_timeline,
+                               write_events)
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         r = run_config(tokens, dtype, args)
@@ -143,6 +144,7 @@ def timed_config(tokens: int, dtype: str, args, out: Path) -> dict:
         full.unlink(missing_ok=True)
     write_events(events, path)
     r["timeline"] = pair_timeline(events)
+    r["replays"] = replay_timeline(events, args.calls)
     why = plot_timeline(events, path.with_suffix(".png"), title=f"{tokens} tokens/rank {dtype}: MoE kernels per "
                         "rank's stream (blue dispatch, orange combine)")
     if why:
@@ -238,6 +240,9 @@ def main(argv=None) -> int:
         if "timeline" in r:
             print(f"{r['tokens']} {r['dtype']} pair timeline, us (median): " +
                   ", ".join(f"{k} {v}" for k, v in r["timeline"].items()))
+        if "replays" in r:
+            print(f"{r['tokens']} {r['dtype']} replays, us (median): " +
+                  ", ".join(f"{k} {v}" for k, v in r["replays"].items()))
         for kind, phases in r.get("phases", {}).items():
             print(f"{r['tokens']} {r['dtype']} {kind} phases, us (median / max over ranks): " +
                   ", ".join(f"{n} {v['median']:.1f} / {v['max']:.1f}" for n, v in phases.items()))

@@ -18,6 +18,8 @@ Pure Python over the trace's JSON (tests feed it made-up traces); the plot needs
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -102,6 +104,35 @@ def pair_timeline(by_stream: dict[str, list[tuple[str, float, float]]]) -> dict:
             "start_spread": _med(spread), "period": _med(period)}
 
 
+def replay_timeline(by_stream: dict[str, list[tuple[str, float, float]]], calls: int) -> dict:
+    """How the pair graph's replays meet (us): each stream's pairs cut into runs of ``calls`` (its replays,
+    warm-up ones included; a stream's pairs come from the pair graph alone, pairs_of). Medians over every
+    stream and replay: ``span_per_pair`` (a replay's first dispatch start to its last combine end, over
+    ``calls``), ``period_inside`` (one dispatch start to the next, a replay's first and last pair left out),
+    ``first_pair`` (the same for a replay's first pair: it waits for the ranks that launched it late; also
+    its p90) and ``gap_between`` (a replay's last combine end to the next replay's first dispatch start on
+    the same stream: the stream idle; also p10 and p90)."""
+    per = stream_pairs(by_stream)
+    span, inner, first, gap = [], [], [], []
+    for p in per.values():
+        runs = [p[i:i + calls] for i in range(0, len(p) - calls + 1, calls)]
+        for i, r in enumerate(runs):
+            span.append((r[-1][1][2] - r[0][0][1]) / calls)
+            if calls > 1:
+                first.append(r[1][0][1] - r[0][0][1])
+            inner += [r[j + 1][0][1] - r[j][0][1] for j in range(1, calls - 1)]
+            if i + 1 < len(runs):
+                gap.append(runs[i + 1][0][0][1] - r[-1][1][2])
+
+    def q(v: list[float], f: float) -> float | None:
+        return round(sorted(v)[int(f * (len(v) - 1))], 2) if v else None
+
+    return {"calls": calls, "replays": min((len(p) // calls for p in per.values()), default=0),
+            "span_per_pair": _med(span), "period_inside": _med(inner), "first_pair": _med(first),
+            "first_pair_p90": q(first, 0.9), "gap_between": _med(gap), "gap_between_p10": q(gap, 0.1),
+            "gap_between_p90": q(gap, 0.9)}
+
+
 def read_trace(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -115,8 +146,10 @@ def write_events(by_stream: dict[str, list[tuple[str, float, float]]], path: Pat
 
 
 def read_events(path: Path) -> dict[str, list[tuple[str, float, float]]]:
-    """What write_events wrote, as kernel_events gives it."""
-    return {s: [(k, a, b) for k, a, b in ev] for s, ev in json.loads(Path(path).read_text())["streams"].items()}
+    """What write_events wrote (or its gzip, ``.json.gz``), as kernel_events gives it."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return {s: [(k, a, b) for k, a, b in ev] for s, ev in json.loads(text)["streams"].items()}
 
 
 def plot_timeline(by_stream: dict[str, list[tuple[str, float, float]]], path: Path, pairs: int = 4,
@@ -149,3 +182,21 @@ def plot_timeline(by_stream: dict[str, list[tuple[str, float, float]]], path: Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m purlin_sglang.bench.moe_timeline EVENTS --calls N``: the pair and replay timelines of a
+    ``timeline-T-DTYPE.json`` (or its ``.json.gz``) that moe_parts --timeline wrote, as JSON."""
+    p = argparse.ArgumentParser(prog="python -m purlin_sglang.bench.moe_timeline", description=main.__doc__)
+    p.add_argument("events", type=Path)
+    p.add_argument("--calls", type=int, required=True, help="calls per captured graph of the run (moe_parts --calls)")
+    args = p.parse_args(argv)
+    if args.calls < 1:
+        p.error("--calls must be >= 1")
+    events = read_events(args.events)
+    print(json.dumps({"pairs": pair_timeline(events), "replays": replay_timeline(events, args.calls)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -67,3 +67,50 @@ def test_the_kernels_written_alone_read_back_to_the_same_timeline(tmp_path):
     back = read_events(tmp_path / "k.json")
     assert sorted(back) == sorted(by_stream) and all(len(back[s]) == len(by_stream[s]) for s in back)
     assert pair_timeline(back) == pair_timeline(by_stream)
+
+
+def _replayed(streams: int, replays: int, calls: int, d: float, c: float, gap: float, late: float) -> dict:
+    """Every stream replays a pair graph of `calls` pairs `replays` times, idle `gap` us between replays;
+    each replay's first dispatch runs `late` us longer on every stream but the last (waiting for it)."""
+    ev = []
+    for s in range(streams):
+        t = 0.0
+        for _ in range(replays):
+            for i in range(calls):
+                dd = d + (late if i == 0 and s < streams - 1 else 0.0)
+                ev.append(_kernel("moe_dispatch_one_pass_kernel", s, t, dd))
+                ev.append(_kernel("moe_combine_one_pass_kernel", s, t + dd + 1.0, c))
+                t += dd + 1.0 + c + 1.0
+            t += gap - 1.0
+    return {"traceEvents": ev}
+
+
+def test_the_replay_timeline_separates_the_pairs_in_step_from_the_replays_meeting():
+    from purlin_sglang.bench.moe_timeline import replay_timeline
+
+    by_stream = kernel_events(_replayed(3, 4, 10, d=12.0, c=8.0, gap=100.0, late=50.0))
+    r = replay_timeline(by_stream, 10)
+    assert r["calls"] == 10 and r["replays"] == 4
+    assert r["period_inside"] == 22.0  # 12 + 1 + 8 + 1: the pairs in step
+    assert r["first_pair"] == 72.0 and r["first_pair_p90"] == 72.0  # two of three streams waited 50 us
+    assert r["gap_between"] == 100.0 and r["gap_between_p10"] == 100.0
+    assert r["span_per_pair"] == round((10 * 22.0 + 50.0 - 1.0) / 10, 2)  # the late first pair counts in the span
+    assert replay_timeline({}, 10)["replays"] == 0
+
+
+def test_the_timeline_module_reads_gzipped_events_from_its_command_line(tmp_path, capsys):
+    import gzip
+    import json
+
+    from purlin_sglang.bench.moe_timeline import main, write_events
+
+    by_stream = kernel_events(_replayed(2, 3, 5, d=10.0, c=6.0, gap=40.0, late=0.0))
+    plain = tmp_path / "timeline-1-bf16.json"
+    write_events(by_stream, plain)
+    packed = tmp_path / "timeline-1-bf16.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        assert main([str(path), "--calls", "5"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["pairs"]["streams"] == 2 and out["replays"]["replays"] == 3
+        assert out["replays"]["gap_between"] == 40.0 and out["replays"]["period_inside"] == 18.0
