@@ -117,7 +117,8 @@ def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callab
     there); ``close()`` frees the ranks' resources once every thread has ended (on CUDA, after
     every rank's kernels have ended). Raises the first root-cause error (not a PurlinBrokenError
     that only follows from another rank's failure), or PurlinTimeoutError for a rank thread that
-    does not return within the configured join timeout.
+    does not return within the configured join timeout (its cause and a note: the error of a rank that
+    raised, which may have left it waiting in the caller's own code, where purlin cannot release it).
     """
     world, cuda = vworld.world, vworld.device.type == "cuda"
     results: list[Any] = [None] * world
@@ -148,7 +149,16 @@ def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callab
         for r, t in enumerate(threads):
             t.join(join_s)
             if t.is_alive():
-                raise PurlinTimeoutError(f"run_virtual: rank {r} did not return within {join_s:g}s", rank=r, missing=[r])
+                err = PurlinTimeoutError(f"run_virtual: rank {r} did not return within {join_s:g}s", rank=r,
+                                         missing=[r])
+                raised = [(q, e) for q, e in enumerate(errors) if e is not None]
+                if not raised:
+                    raise err
+                # a rank that raised may have left this one waiting in the caller's own code (a barrier of
+                # the caller's, say), which purlin cannot release: that error is the root cause
+                q, e = ([f for f in raised if not isinstance(f[1], PurlinBrokenError)] or raised)[0]
+                err.add_note(f"run_virtual: rank {q} had raised {type(e).__name__}: {e}")
+                raise err from e
     finally:
         if cuda:  # every rank's kernels have ended (at worst by their timeouts) before memory is freed
             torch.cuda.synchronize(vworld.device)

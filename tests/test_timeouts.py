@@ -5,12 +5,15 @@ call descriptors (quickly, not by timing out); afterwards the communicator is br
 and a new one works.
 """
 
+import dataclasses
+import threading
 import time
 
 import pytest
 import torch
 
 import purlin_sglang as ps
+from purlin_sglang import config as ps_config
 from purlin_sglang.errors import PurlinBrokenError, PurlinMismatchError, PurlinTimeoutError
 from purlin_sglang.testing import launch
 
@@ -256,6 +259,33 @@ def test_an_ordinary_exception_in_one_rank_is_what_run_virtual_raises():
     assert time.monotonic() - t0 < 5  # released at once, not after timeout_s
     assert any("ranks [0, 1, 2] failed" in n for n in getattr(info.value, "__notes__", [])), info.value
     assert ps.run_virtual(3, good_group, config=LONG) == [True] * 3
+
+
+def test_a_rank_left_waiting_in_user_code_reports_the_error_of_the_rank_that_raised(monkeypatch):
+    """Rank 0 raises in user code; rank 1 waits on something of the caller's that purlin cannot release
+    (an event here, a test's barrier in practice): the join timeout names rank 1 and carries rank 0's
+    error as its cause and in a note, so the root cause is not hidden behind the timeout."""
+    class Boom(Exception):
+        pass
+
+    real = ps_config.timeouts
+    monkeypatch.setattr(ps_config, "timeouts", lambda s: dataclasses.replace(real(s), join_s=1.0))
+    release = threading.Event()
+
+    def fn(comm):
+        comm.all_reduce(torch.ones(2))
+        if comm.rank == 0:
+            raise Boom("rank 0 fails in user code")
+        release.wait(30)  # the caller's own wait
+        return "released"
+
+    try:
+        with pytest.raises(PurlinTimeoutError, match="rank 1 did not return") as info:
+            ps.run_virtual(2, fn, config=LONG)
+    finally:
+        release.set()
+    assert isinstance(info.value.__cause__, Boom)
+    assert any("rank 0 had raised Boom: rank 0 fails in user code" in n for n in info.value.__notes__)
 
 
 def test_waiting_peers_see_a_failed_rank_as_broken_not_timeout():
