@@ -151,12 +151,12 @@ def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callab
             if t.is_alive():
                 err = PurlinTimeoutError(f"run_virtual: rank {r} did not return within {join_s:g}s", rank=r,
                                          missing=[r])
-                raised = [(q, e) for q, e in enumerate(errors) if e is not None]
-                if not raised:
+                failed = _failures(errors)
+                if not failed:
                     raise err
                 # a rank that raised may have left this one waiting in the caller's own code (a barrier of
                 # the caller's, say), which purlin cannot release: that error is the root cause
-                q, e = ([f for f in raised if not isinstance(f[1], PurlinBrokenError)] or raised)[0]
+                q, e = _root(failed)
                 err.add_note(f"run_virtual: rank {q} had raised {type(e).__name__}: {e}")
                 raise err from e
     finally:
@@ -172,14 +172,23 @@ def run_ranks(vworld: VirtualWorld, call: Callable[[int], Any], on_error: Callab
             # kernel turns into a hang (or a failed graph capture). Back to the driver now, while no
             # kernel runs; torch's other unused cached blocks go with them.
             torch.cuda.empty_cache()
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    failed = _failures(errors)
     if failed:
-        root = [f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed
-        r, e = root[0]
+        r, e = _root(failed)
         if len(failed) > 1 and isinstance(e, Exception):
             e.add_note(f"run_virtual: ranks {[f[0] for f in failed]} failed; this is rank {r}'s error")
         raise e
     return results
+
+
+def _failures(errors: list[BaseException | None]) -> list[tuple[int, BaseException]]:
+    return [(r, e) for r, e in enumerate(errors) if e is not None]
+
+
+def _root(failed: list[tuple[int, BaseException]]) -> tuple[int, BaseException]:
+    """The first rank's error that is not a PurlinBrokenError (which only follows from another rank's
+    failure), else the first."""
+    return ([f for f in failed if not isinstance(f[1], PurlinBrokenError)] or failed)[0]
 
 
 def reserve(device: torch.device, streams: list, nbytes: int) -> None:
