@@ -5,9 +5,8 @@
 // at system scope, or at GPU scope when every rank's region lies on this GPU (p.one_device).
 //
 // My region's own words (State, at state_off): per kind (dispatch, combine) the epoch of the last
-// call, a monotonic arrival counter (a call adds `blocks`: the last block to arrive notifies) and
-// an exit counter (the last block to exit stores the epoch); a fatal word (a timed-out wait or a
-// mismatch: later kernels exit at once).
+// call and an exit counter (the last block to exit stores the epoch); a fatal word (a timed-out wait or
+// a mismatch: later kernels exit at once). (Words kDispArrive and kCombArrive are unused.)
 //
 // dispatch, epoch e, parity e & 1 (the caller's x and topk ids go in as they are):
 //   route      every block counts my rows per global expert and my tokens per destination rank
@@ -21,16 +20,19 @@
 //              group of four warps, held in registers from its amax to its quantisation (held_rows);
 //              other rows: the other warps take each token's amax before the puts, which read the
 //              row again
-//   notify     the last block to arrive writes, to EVERY rank (also when I send it nothing), my
+//   counts out block 0, once routed (before the puts): to EVERY rank (also when I send it nothing), my
 //              count word [epoch, tokens, meta, rows per its local expert], epoch last (release)
-//   wait       threads 0..world-1 poll my count words of epoch e (bounded by timeout_ns)
+//   delivered  each block, its rows put, adds one to ddone[me] in every rank's region (release)
+//   wait       threads 0..world-1 poll my count words of epoch e and ddone[q] >= e * blocks: every row
+//              of producer q has landed (bounded by timeout_ns)
 //   expand     (received token, part of its row) per warp: the slot read once, stored to one row per k at
 //              le*world*capacity + offset(src, le) + j; rows with j >= capacity are not written (the
 //              overflow is recorded: never silent)
 // combine, epoch e:
 //   put back   warp per valid row: to slot t*K + k of its source's return region (parity)
-//   notify     the last block writes done[me] = e in every rank's region (release)
-//   wait       threads poll done[q] >= e for every q
+//   notify     each block, its rows put back, adds one to done[me] in every rank's region (release); a
+//              rank that rejected its arguments first stores e | kRejectBit in its pointer block's c_epoch
+//   wait       threads poll done[q] >= e * blocks for every q, then read q's c_epoch (the reject bit)
 //   reduce     y[t] = sum_k w[t,k] * ret[t*K+k], float32 (no FMA contraction), k = 0..K-1
 #pragma once
 #include <cuda_bf16.h>
@@ -135,13 +137,6 @@ __device__ __forceinline__ void sig_add(const PurlinMoeParams& p, long long* w, 
     snac::red_release_sys(w, v);
   }
 }
-// Adds 1 to *w and returns the old value, acquire-release: this thread's earlier accesses (and those a
-// __syncthreads before it ordered) are visible to whoever acquires *w later, and what they released is
-// visible to this thread after it (one atomic, no fence before or after it).
-__device__ __forceinline__ unsigned long long sig_fetch_add(const PurlinMoeParams& p, long long* w) {
-  return p.one_device ? snac::fetch_inc_acq_rel_gpu(w) : snac::fetch_inc_acq_rel_sys(w);
-}
-
 // Phase stamps (p.trace, when given): block 0's thread 0 stores the globaltimer at the end of each phase,
 // in word `phase` of row `kind` (0 dispatch: start, put, notify, wait, expand, pad; 1 combine: start,
 // put_back, notify, wait, reduce; abi.py MOE_TRACE_PHASES). The globaltimer is one clock for every rank of
@@ -187,18 +182,6 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, long lon
     for (int u = 0; u < kUnroll; ++u) d[i + 32 * u] = v[u];
   }
   for (; i < nv; i += 32) d[i] = s[i];
-}
-
-// The last block of this call to arrive (counter adds one per block and call): true in every thread. The
-// add is acquire-release, so the last block sees every block's work (the barrier before it orders this
-// block's threads' accesses before the add; the one after it, the add before what the block does next).
-__device__ inline bool arrive_last(const PurlinMoeParams& p, long long* counter, long long epoch, int* s_flag) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *s_flag = sig_fetch_add(p, counter) == static_cast<unsigned long long>(epoch) * gridDim.x - 1;
-  }
-  __syncthreads();
-  return *s_flag != 0;
 }
 
 // Every block of this call, once its work is done: adds one to word[me] in every rank's region (release,
@@ -270,7 +253,7 @@ struct DispatchShared {
   float scale[MoeConfig::kChunk];
   float amax[2][MoeConfig::kWarps];  // held rows: each warp's part of its token's amax (two tokens in turn)
   long long e;
-  int flag, fail, bad, nbad;
+  int fail, bad, nbad;
 };
 
 // Every block of a dispatch, first: this call's epoch into s.e; false (the block has finished) when an earlier
@@ -739,6 +722,27 @@ __device__ inline void expand_token(const PurlinMoeParams& p, DispatchShared& s,
   __syncwarp();
 }
 
+// Each rank's pointer block, per parity, in its own region at ptr_off (PtrBlock): the one-pass
+// dispatch's output pointers and capacity (visible to a peer once it has acquired one of my count words of
+// that call, which I release after writing them), and the combine's expert_out with its epoch word
+// (released; in the receive-slot combine only a rank that rejected its arguments writes the epoch word, e
+// | kRejectBit, before its done adds). ddone[W] and done[W]: each producer's (consumer's) per-block
+// arrivals of the dispatch (combine), e * blocks after call e.
+struct PtrBlock {  // PURLIN_MOE_PTR_WORDS words
+  long long out_x, out_expert, out_src, out_slot, out_scales, capacity, d_pad[2];
+  long long c_epoch, expert_out, c_pad[6];
+};
+static_assert(sizeof(PtrBlock) == PURLIN_MOE_PTR_WORDS * 8, "PtrBlock is PURLIN_MOE_PTR_WORDS words");
+
+__device__ __forceinline__ PtrBlock* ptr_block(const PurlinMoeParams& p, long long rank, int par) {
+  return reinterpret_cast<PtrBlock*>(static_cast<char*>(p.bases[rank]) + p.ptr_off) + par;
+}
+__device__ __forceinline__ long long* ddone_word(const PurlinMoeParams& p, long long rank, long long producer) {
+  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.ddone_off) + producer;
+}
+__device__ __forceinline__ long long* done_word(const PurlinMoeParams& p, long long rank, long long consumer) {
+  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.done_off) + consumer;
+}
 __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(PurlinMoeParams p) {
   __shared__ DispatchShared s;
   long long* st = state(p);
@@ -750,16 +754,20 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   // route + put rows: this block's tokens
   const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
   route_counts(p, s, t0, E);
+  // counts out: my count word to every rank, every call, as soon as the counts are known (the rows' arrival
+  // is told by the delivered words)
+  if (blockIdx.x == 0) count_words_out(p, s, par, e);
   put_rows(p, s, par, t0, t1, E);
   stamp(p, 0, 1);
-  // notify: my count word to every rank, every call
-  if (arrive_last(p, st + kDispArrive, e, &s.flag)) {
-    count_words_out(p, s, par, e);
-  }
-  __syncthreads();  // cnt is read above before it is overwritten below
+  // delivered: each block of my grid, its rows put, tells every rank (the barrier in it also orders block
+  // 0's reads of cnt above before cnt is overwritten below)
+  arrive_all(p, p.ddone_off);
   stamp(p, 0, 2);
-  // wait for every producer's count word of this epoch
-  if (tid < W && !wait_ge(p, count_word(p, p.rank, par, tid), e, 0, tid)) s.fail = 1;
+  // wait for every producer's count word of this epoch and every row it sent me
+  if (tid < W && !(wait_ge(p, count_word(p, p.rank, par, tid), e, 0, tid) &&
+                   wait_ge(p, ddone_word(p, p.rank, tid), e * p.blocks, 0, tid, p.blocks))) {
+    s.fail = 1;
+  }
   __syncthreads();
   stamp(p, 0, 3);
   if (!s.fail) {
@@ -919,7 +927,7 @@ __device__ inline void put_back(const PurlinMoeParams& p, int par, int* s_rows, 
 
 __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(PurlinMoeParams p) {
   __shared__ long long s_e;
-  __shared__ int s_flag, s_fail;
+  __shared__ int s_fail;
   __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps], s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
@@ -936,20 +944,21 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
     finish(st + kCombExit, st + kCombEpoch, e);
     return;
   }
-  if (tid == 0) s_rej = 0;
-  if (!p.reject) put_back(p, par, s_rows, s_wcnt);  // a rank that rejected its arguments puts nothing back
-  stamp(p, 1, 1);
-  if (arrive_last(p, st + kCombArrive, e, &s_flag) && tid < W) {  // released after what the last block acquired
-    sig_release(p, reinterpret_cast<long long*>(static_cast<char*>(p.bases[tid]) + p.done_off + p.rank * 8),
-                p.reject ? (e | kRejectBit) : e);
+  if (tid == 0) {
+    s_rej = 0;
+    // a rank that rejected its arguments puts nothing back and says so before its done adds release it
+    if (p.reject && blockIdx.x == 0) ptr_block(p, p.rank, par)->c_epoch = e | kRejectBit;
   }
+  if (!p.reject) put_back(p, par, s_rows, s_wcnt);
+  stamp(p, 1, 1);
+  // done: each block of my grid, its rows put back, tells every rank
+  arrive_all(p, p.done_off);
   stamp(p, 1, 2);
   if (tid < W) {
-    const long long* done = reinterpret_cast<const long long*>(own(p) + p.done_off + tid * 8);
-    if (!wait_ge(p, done, e, 1, tid)) {
+    if (!wait_ge(p, done_word(p, p.rank, tid), e * p.blocks, 1, tid, p.blocks)) {
       s_fail = 1;
-    } else if ((sig_relaxed(p, done) & kRejectBit) && tid != p.rank) {  // this epoch's bit: peers cannot
-      if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);  // move on before it ends
+    } else if (tid != p.rank && ptr_block(p, tid, par)->c_epoch == (e | kRejectBit)) {  // this epoch's: peers
+      if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);  // cannot move on before it ends
       s_rej = 1;
     }
   }
@@ -973,9 +982,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
 // receive slots and no return rows: a source writes each (token, expert) row once, straight into its
 // final row of the receiver's out_x, and the combine reads each expert output where it lies.
 //
-// Each rank's pointer block, per parity, in its own region at ptr_off (PtrBlock): the dispatch's output
-// pointers and capacity (visible to a peer once it has acquired one of my count words of that call, which
-// I release after writing them), and the combine's expert_out with its epoch word (released).
+// The pointer block (PtrBlock, above) carries the dispatch's output pointers and the combine's expert_out.
 //
 // dispatch, epoch e, parity e & 1:
 //   route      as above (every block: my rows per global expert, my tokens' j)
@@ -1000,21 +1007,6 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
 //   done       each block, its reduce done, adds one to done[me] in every rank's region (release)
 //   wait       threads poll done[q] >= e * blocks: no rank reads my expert_out any more when my kernel ends
 
-struct PtrBlock {  // PURLIN_MOE_PTR_WORDS words
-  long long out_x, out_expert, out_src, out_slot, out_scales, capacity, d_pad[2];
-  long long c_epoch, expert_out, c_pad[6];
-};
-static_assert(sizeof(PtrBlock) == PURLIN_MOE_PTR_WORDS * 8, "PtrBlock is PURLIN_MOE_PTR_WORDS words");
-
-__device__ __forceinline__ PtrBlock* ptr_block(const PurlinMoeParams& p, long long rank, int par) {
-  return reinterpret_cast<PtrBlock*>(static_cast<char*>(p.bases[rank]) + p.ptr_off) + par;
-}
-__device__ __forceinline__ long long* ddone_word(const PurlinMoeParams& p, long long rank, long long producer) {
-  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.ddone_off) + producer;
-}
-__device__ __forceinline__ long long* done_word(const PurlinMoeParams& p, long long rank, long long consumer) {
-  return reinterpret_cast<long long*>(static_cast<char*>(p.bases[rank]) + p.done_off) + consumer;
-}
 __device__ __forceinline__ int count_of(const PurlinMoeParams& p, long long rank, int par, long long producer,
                                         long long le) {
   return reinterpret_cast<const int*>(count_word(p, rank, par, producer) + 3)[le];

@@ -383,7 +383,7 @@ class CudaMoE:
 
     def reject_combine(self, error: PurlinValueError) -> None:
         """This rank's combine arguments are bad: run the combine kernel with nothing to put back, so the
-        peers' combines end at once (their done word from this rank carries the reject bit: they skip their
+        peers' combines end at once (this rank's pointer block says it rejected: they skip their
         reduce and raise at their next check) instead of waiting out the timeout; then raise ``error``."""
         if self.layout is not None and self.region is not None and not capturing_now():
             p = self._params(self.layout)

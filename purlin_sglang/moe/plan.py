@@ -21,7 +21,7 @@ dispatch (``moe_dispatch``: routed -> transposedV copy)
 combine (``moe_combine``: transposedV -> routed weighted reduce)
   1. ``PutBack``       every valid row goes back to its source rank, into slot t*K + k of
                        the source's return region (each slot is written by one row).
-  2. ``Notify``/``Wait`` a done word with the call's epoch per (consumer, producer), every call.
+  2. ``Notify``/``Wait`` a done counter per (consumer, producer), every call.
   3. ``WeightedReduce`` y[t] = sum_k w[t,k] * ret[t*K+k] in float32, k = 0..K-1, slots with
                        id -1 skipped; written in the expert output's dtype.
 

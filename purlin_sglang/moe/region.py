@@ -5,18 +5,19 @@ A rank's MoE region is separate from the collectives' workspace (peers may still
 staging) and is made on the first CUDA MoE call (collective; loopback: one allocation for every
 virtual rank). Per rank, in bytes (M = moe.max_tokens_per_rank, W ranks, K top-k, L = E/W):
 
-* ``state`` (128): my epochs, arrival and exit counters, fatal word (native/moe/moe_kernel.cuh).
-* ``done[W]`` (8 each): combine done words, written by every consumer every call (one-pass mode:
-  counters, one added by every block of a consumer every call).
+* ``state`` (128): my epochs, exit counters, fatal word (native/moe/moe_kernel.cuh).
+* ``done[W]`` (8 each): the combine's done counters, one added by every block of a consumer every
+  call.
 * ``count[2 parities][W producers]``: ``align16(24 + 4 * max_local)`` each: [epoch, tokens, meta,
   rows per local expert]; written by every producer every call (also when it sends nothing).
 * ``recv[2][W][M]`` slots of ``hdr + payload``: ``hdr = align16(4 * (2K + 2))`` (token index, local
   expert and j per k, fp8 scale), ``payload = H * element size``. Each token arrives once per rank.
 * ``ret[2][M * K]`` rows of ``H * element size``: the source's return slots for the combine.
-* one-pass mode (virtual ranks, ``moe.one_pass``): no ``recv`` and no ``ret``; instead ``ptr[2 parities]``
-  (``PURLIN_MOE_PTR_WORDS`` words: the call's output pointers and capacity, the combine's expert_out
-  and its epoch word) and ``ddone[W]`` (8 each: the dispatch's "rows delivered" counters, one added
-  by every block of a producer every call). A few KiB.
+* ``ptr[2 parities]`` (``PURLIN_MOE_PTR_WORDS`` words: the one-pass call's output pointers and
+  capacity, the combine's expert_out and its epoch word, which the receive-slot combine uses only to
+  say a rank rejected its arguments) and ``ddone[W]`` (8 each: the dispatch's "rows delivered"
+  counters, one added by every block of a producer every call).
+* one-pass mode (virtual ranks, ``moe.one_pass``): no ``recv`` and no ``ret``. A few KiB.
 
 Both halves (parity = epoch & 1) make back-to-back dispatches (or combines) safe with no
 acknowledgement: a producer writes parity p again two calls later, after it saw, in the call

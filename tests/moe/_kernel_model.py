@@ -103,7 +103,7 @@ class FakeMoELib:
             i64(self._cw(p, d, par, p.rank))[0] = e
 
     @staticmethod
-    def _ptr(p, rank, par):  # the one-pass mode's pointer block (PURLIN_MOE_PTR_WORDS words)
+    def _ptr(p, rank, par):  # a rank's pointer block (PURLIN_MOE_PTR_WORDS words)
         return i64(p.bases[rank] + p.ptr_off + par * PTR_WORDS * 8, PTR_WORDS)
 
     @staticmethod
@@ -194,7 +194,11 @@ class FakeMoELib:
                 h[1 + k_ + k] = j[t * k_ + k] if mine else -1
             ctypes.memmove(slot + p.hdr_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
         self._count_words_out(p, r, par, e)
-        ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) for q in range(w_)) and self._shapes_agree(p, par, e)
+        for d in range(w_):  # every block adds one (arrive_all)
+            i64(p.bases[d] + p.ddone_off + 8 * me)[0] += p.blocks
+        ok = all(self._wait(p, self._cw(p, me, par, q), e, 0, q) and
+                 self._wait(p, p.bases[me] + p.ddone_off + 8 * q, e * p.blocks, 0, q, p.blocks)
+                 for q in range(w_)) and self._shapes_agree(p, par, e)
         if ok:
             cnt = np.stack([i32(self._cw(p, me, par, q) + 24, l_) for q in range(w_)]).astype(np.int64)
             ntok = [int(i64(self._cw(p, me, par, q), 2)[1]) for q in range(w_)]
@@ -335,11 +339,14 @@ class FakeMoELib:
                     continue
                 ctypes.memmove(p.bases[q] + p.ret_off + par * p.ret_parity_bytes + int(slot[r]) * p.ret_bytes,
                                p.expert_out + r * p.ret_bytes, p.ret_bytes)
+        if p.reject:  # said before the done adds, in my pointer block's epoch word
+            self._ptr(p, me, par)[8] = e | REJECT_BIT
+        for q in range(w_):  # every block adds one (arrive_all)
+            i64(p.bases[q] + p.done_off + me * 8)[0] += p.blocks
+        ok = all(self._wait(p, p.bases[me] + p.done_off + q * 8, e * p.blocks, 1, q, p.blocks)
+                 for q in range(w_)) and not p.reject
         for q in range(w_):
-            i64(p.bases[q] + p.done_off + me * 8)[0] = e | (REJECT_BIT if p.reject else 0)
-        ok = all(self._wait(p, p.bases[me] + p.done_off + q * 8, e, 1, q) for q in range(w_)) and not p.reject
-        for q in range(w_):
-            if ok and q != me and int(i64(p.bases[me] + p.done_off + q * 8)[0]) & REJECT_BIT:
+            if ok and q != me and int(self._ptr(p, q, par)[8]) == e | REJECT_BIT:
                 self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
                 ok = False
         if ok and p.tokens:

@@ -202,8 +202,8 @@ def test_a_bad_eager_call_on_one_rank_raises_on_every_rank_and_launches_nothing(
 
 
 def test_a_bad_combine_on_one_rank_ends_every_ranks_combine(world_of):
-    """Rank 1 rejects its combine arguments: it runs the combine kernel with nothing to put back (its done word
-    carries the reject bit) and raises its own error; rank 0's kernel ends at once (no timeout), skips its reduce
+    """Rank 1 rejects its combine arguments: it runs the combine kernel with nothing to put back (its reject bit
+    travels with its combine's signal) and raises its own error; rank 0's kernel ends at once (no timeout), skips its reduce
     and records the rejection, which rank 0 raises naming rank 1 (at its combine's end or synchronize()); the next
     pair is correct."""
     import time
