@@ -315,6 +315,7 @@ def _time_case(call, case: Case, ci: int, mode: str, rank: int, world: int, dev,
         with torch.cuda.graph(g, stream=side):
             for j in range(opts.graph_calls):
                 step(j)
-        samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, dist.barrier)
+        samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, dist.barrier,
+                                     ahead=opts.launch_ahead)
         del g
     return {"ok": ok, "exact": exact, "err": err, "samples": samples, "buffers": nbuf}

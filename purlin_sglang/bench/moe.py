@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
     p.add_argument("--graph-calls", type=int, default=10, help="calls captured per graph (fewer if outputs are large)")
+    p.add_argument("--launch-ahead", action="store_true",
+                   help="graph mode: hold each rank's stream behind a GPU sleep while the host enqueues every timed "
+                        "replay, so replays run back to back and host launch time between them is not timed "
+                        "(virtual ranks: the rank threads share one CUDA context and can fall behind the GPU)")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
     p.add_argument("--signal-scope", choices=("auto", "system"), default="auto",
                    help="moe.signal_scope of the communicators (system: as ranks on several GPUs signal)")
@@ -172,7 +176,7 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
         capacity = args.capacity or max(16, -(-most // 16) * 16)
     barrier = threading.Barrier(world)
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
-                   rotate=1, l2_bytes=0, seed=args.seed, timeout_s=args.timeout)
+                   rotate=1, l2_bytes=0, seed=args.seed, timeout_s=args.timeout, launch_ahead=args.launch_ahead)
 
     def fn(comm):
         r, dev = comm.rank, comm.device
@@ -329,10 +333,11 @@ def run(args: argparse.Namespace) -> int:
                                           f"{'' if r['correct'] else ' WRONG'}" for r in new) + "\n")
     settings = {k: getattr(args, k) for k in ("device", "tokens", "hidden", "topk", "experts", "world", "dtypes",
                                               "mode", "capacity", "drop_every", "iters", "warmup", "graph_calls",
-                                              "seed", "timeout", "signal_scope", "one_pass")}
+                                              "launch_ahead", "seed", "timeout", "signal_scope", "one_pass")}
     settings["timing"] = ("per iteration the slowest rank; CUDA events on each rank's stream (graph: one replay "
-                          "of graph_calls calls / graph_calls) or time.perf_counter (CPU); pair = dispatch then "
-                          "combine, no expert work; torch-ref = all_gather + index + stand-in experts + "
+                          "of graph_calls calls / graph_calls; launch_ahead: the replays enqueued behind a GPU "
+                          "sleep, run back to back) or time.perf_counter (CPU); pair = dispatch then combine, no "
+                          "expert work; torch-ref = all_gather + index + stand-in experts + "
                           "reduce_scatter, eager, the sum of the three phases timed apart")
     result = {"environment": environment(args.device), "settings": settings, "floor": floor, "rows": rows,
               "failures": failures, "argv": sys.argv}

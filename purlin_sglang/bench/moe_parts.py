@@ -76,7 +76,7 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     capacity = args.capacity or max(16, -(-max_pair_load([i.ids for i in inputs], experts) // 16) * 16)
     barrier = threading.Barrier(world, timeout=150.0)  # a rank that raised must not leave its peers waiting
     opts = Options(dtype=torch.bfloat16, iters=args.iters, warmup=3, graph_calls=args.calls, rotate=1, l2_bytes=0,
-                   seed=0, timeout_s=60.0)
+                   seed=0, timeout_s=60.0, launch_ahead=args.launch_ahead)
 
     traced = dataclasses.replace(opts, iters=1, warmup=0, graph_calls=args.trace_calls)
 
@@ -186,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--calls", type=int, default=10, help="calls per captured graph")
+    p.add_argument("--launch-ahead", action="store_true",
+                   help="hold each rank's stream behind a GPU sleep while the host enqueues every timed replay (timing.py, "
+                        "time_graph_replays)")
     p.add_argument("--capacity", type=int, default=None,
                    help="rows per (source rank, expert) (default: the routing's largest, rounded up to 16, at least 16)")
     p.add_argument("--iters", type=int, default=20)

@@ -36,6 +36,7 @@ class Options:
     timeout_s: float
     tuning: dict | None = None  # the communicators' tuning section (e.g. a forced algorithm: tune.py)
     symmetric: bool = False  # inputs in the communicators' symmetric heap (the direct plans where they apply)
+    launch_ahead: bool = False  # graph replays enqueued behind a GPU sleep (timing.time_graph_replays)
 
     def buffers(self, case: Case, sharing_l2: int) -> int:
         """Input buffers to rotate through: ``rotate`` when the inputs sharing one L2 exceed it."""
@@ -204,7 +205,8 @@ def graph_samples(comm, step, stream, side, barrier, opts: Options, stage=lambda
     # bench_cuda_engine.py has this barrier too.
     barrier.wait()
     stage("replays")
-    samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait)
+    samples = time_graph_replays(g, side, opts.graph_calls, opts.warmup, opts.iters, barrier.wait,
+                                 ahead=opts.launch_ahead)
     if pool is not None:
         pool.last = g  # keeps the pool alive for the next capture; the graph before it is dropped
     del g

@@ -8,6 +8,7 @@ back to back as nccl-tests does.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable
 
@@ -38,10 +39,20 @@ def sync(stream: Any) -> None:
         stream.synchronize()
 
 
+LAUNCH_AHEAD_S = 0.05  # the GPU sleep that holds a stream while the host enqueues its timed replays
+
+
 def time_graph_replays(graph: Any, side: Any, calls: int, warmup: int, iters: int,
-                       barrier: Callable[[], Any]) -> list[float]:
+                       barrier: Callable[[], Any], ahead: bool = False) -> list[float]:
     """Seconds per captured call: warm-up replays, a host ``barrier`` so every rank starts
-    together, then ``iters`` replays timed with events on ``side``, each divided by ``calls``."""
+    together, then ``iters`` replays timed with events on ``side``, each divided by ``calls``.
+
+    ``ahead`` (``--launch-ahead``): the stream first runs a GPU sleep of LAUNCH_AHEAD_S while the host
+    enqueues every timed replay, so the replays run back to back and the host's launch time between
+    them is not timed. Without it, a host that launches more slowly than the GPU runs a replay leaves
+    the stream idle between replays, and ranks whose replays start out of step wait for each other at
+    the start of each one (virtual ranks: eight host threads launch into one CUDA context). Warns on
+    stderr when the sleep ended before the last replay was enqueued (those timings include launches)."""
     import torch
 
     with torch.cuda.stream(side):
@@ -49,7 +60,23 @@ def time_graph_replays(graph: Any, side: Any, calls: int, warmup: int, iters: in
             graph.replay()
         side.synchronize()
         barrier()
-        return [t / calls for t in time_each(lambda i: graph.replay(), iters, side)]
+        if not ahead:
+            return [t / calls for t in time_each(lambda i: graph.replay(), iters, side)]
+        rate_khz = getattr(torch.cuda.get_device_properties(side.device), "clock_rate", 0) or 2_000_000
+        torch.cuda._sleep(int(LAUNCH_AHEAD_S * rate_khz * 1e3))
+        held = torch.cuda.Event()
+        held.record(side)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            starts[i].record(side)
+            graph.replay()
+            ends[i].record(side)
+        if held.query():
+            sys.stderr.write(f"  launch-ahead: the {LAUNCH_AHEAD_S * 1e3:g} ms GPU sleep ended before the host had "
+                             f"enqueued {iters} replays: these timings include host launch time\n")
+        side.synchronize()
+        return [s.elapsed_time(e) / 1e3 / calls for s, e in zip(starts, ends)]
 
 
 def time_ms(fn: Callable[[], Any], iters: int, warmup: int = 5) -> float:
