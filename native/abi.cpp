@@ -64,7 +64,10 @@ const PurlinAbiEntry kLayout[] = {
     PURLIN_FIELD(PurlinMoeParams, one_device), PURLIN_FIELD(PurlinMoeParams, trace),
     PURLIN_FIELD(PurlinMoeParams, one_pass), PURLIN_FIELD(PurlinMoeParams, ptr_off),
     PURLIN_FIELD(PurlinMoeParams, ddone_off), PURLIN_FIELD(PurlinMoeParams, out_ref),
-    PURLIN_FIELD(PurlinMoeParams, row_ref),
+    PURLIN_FIELD(PurlinMoeParams, row_ref), PURLIN_FIELD(PurlinMoeParams, decode),
+    PURLIN_FIELD(PurlinMoeParams, decode_tokens), PURLIN_FIELD(PurlinMoeParams, win_off),
+    PURLIN_FIELD(PurlinMoeParams, win_bytes), PURLIN_FIELD(PurlinMoeParams, rwin_off),
+    PURLIN_FIELD(PurlinMoeParams, rwin_parity_bytes), PURLIN_FIELD(PurlinMoeParams, row_counts),
     // ---- native.h: limits, the dtype and reduce-op tables ----
     PURLIN_CONST(PURLIN_SNAC_MAX_RANKS), PURLIN_CONST(PURLIN_SNAC_OP_WORDS), PURLIN_CONST(PURLIN_SNAC_EPOCH_WORDS),
     PURLIN_CONST(PURLIN_SNAC_ERROR_WORDS), PURLIN_CONST(PURLIN_SNAC_DESC_RING), PURLIN_CONST(PURLIN_SNAC_DESC_WORDS),
@@ -105,6 +108,7 @@ const PurlinAbiEntry kLayout[] = {
     {"moe.error_code.TIMEOUT", moe::kTimeout}, {"moe.error_code.OVERFLOW", moe::kOverflow},
     {"moe.error_code.BAD_IDS", moe::kBadIds}, {"moe.error_code.MISMATCH", moe::kMismatch},
     {"moe.error_code.REJECTED", moe::kRejected}, {"moe.reject_bit", moe::kRejectBit},
+    {"moe.decode_meta", moe::kDecodeMeta},
 };
 
 #undef PURLIN_FIELD

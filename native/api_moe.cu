@@ -19,7 +19,11 @@ int check(const PurlinMoeParams* params) {
       p.topk > purlin::moe::MoeConfig::kMaxTopk || p.tokens < 0 ||
       p.tokens > p.max_tokens || p.capacity < 1 || p.payload_bytes % 16 || p.hdr_bytes % 16 || p.slot_bytes % 16 ||
       p.ret_bytes % 16 || p.timeout_ns <= 0 || p.device < -1 || p.device >= purlin::kernels::kMaxDevices ||
-      (p.one_pass != 0 && p.one_pass != 1) || (p.one_pass && (p.ptr_off <= 0 || p.ddone_off <= 0))) {
+      (p.one_pass != 0 && p.one_pass != 1) || (p.one_pass && (p.ptr_off <= 0 || p.ddone_off <= 0)) ||
+      (p.decode != 0 && p.decode != 1) ||
+      (p.decode && (p.decode_tokens < 1 || p.decode_tokens > purlin::moe::MoeConfig::kChunk ||
+                    p.tokens > p.decode_tokens || p.win_off <= 0 || p.win_bytes <= 0 || p.rwin_off <= 0 ||
+                    p.rwin_parity_bytes <= 0))) {
     return cudaErrorInvalidValue;
   }
   for (long long r = 0; r < p.world; ++r) {
@@ -34,7 +38,8 @@ cudaError_t min_blocks_per_sm(int dev, int* out) {
   static std::atomic<int> cache[purlin::kernels::kMaxDevices] = {};
   return purlin::kernels::per_device_cached(cache, dev, out, [](int, int* v) {
     const Kernel kernels[] = {purlin::moe::moe_dispatch_kernel, purlin::moe::moe_combine_kernel,
-                              purlin::moe::moe_dispatch_one_pass_kernel, purlin::moe::moe_combine_one_pass_kernel};
+                              purlin::moe::moe_dispatch_one_pass_kernel, purlin::moe::moe_combine_one_pass_kernel,
+                              purlin::moe::moe_dispatch_decode_kernel, purlin::moe::moe_combine_decode_kernel};
     int least = 1 << 30;
     for (Kernel k : kernels) {
       int per = 0;
@@ -66,10 +71,11 @@ PURLIN_API int purlin_moe_dispatch(const PurlinMoeParams* params, void* stream) 
                             p.x_dtype == PURLIN_DTYPE_FLOAT32;
     if ((p.ids_bytes != 4 && p.ids_bytes != 8) || (p.quant != 0 && p.quant != 1) || (p.quant && !fp8_source) ||
         (p.tokens > 0 && (p.x == nullptr || p.ids == nullptr || p.out_valid == nullptr)) ||
-        (p.one_pass == 1 && p.tokens > 0 && p.out_ref == nullptr)) {
+        ((p.one_pass == 1 || p.decode == 1) && p.tokens > 0 && p.out_ref == nullptr)) {
       return cudaErrorInvalidValue;
     }
   }
+  if (params != nullptr && params->decode == 1) return launch(purlin::moe::moe_dispatch_decode_kernel, params, stream);
   const bool one_pass = params != nullptr && params->one_pass == 1;
   return launch(one_pass ? purlin::moe::moe_dispatch_one_pass_kernel : purlin::moe::moe_dispatch_kernel, params,
                 stream);
@@ -79,10 +85,12 @@ PURLIN_API int purlin_moe_combine(const PurlinMoeParams* params, void* stream) {
   if (params != nullptr && ((params->dtype != PURLIN_DTYPE_BFLOAT16 && params->dtype != PURLIN_DTYPE_FLOAT16 &&
                              params->dtype != PURLIN_DTYPE_FLOAT32) ||
                             (params->reject != 0 && params->reject != 1) ||
-                            (params->one_pass == 1 && params->tokens > 0 && !params->reject &&
-                             params->row_ref == nullptr))) {
+                            ((params->one_pass == 1 || params->decode == 1) && params->tokens > 0 && !params->reject &&
+                             params->row_ref == nullptr) ||
+                            (params->decode == 1 && !params->reject && params->row_counts == nullptr))) {
     return cudaErrorInvalidValue;
   }
+  if (params != nullptr && params->decode == 1) return launch(purlin::moe::moe_combine_decode_kernel, params, stream);
   const bool one_pass = params != nullptr && params->one_pass == 1;
   return launch(one_pass ? purlin::moe::moe_combine_one_pass_kernel : purlin::moe::moe_combine_kernel, params, stream);
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 13  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
+ABI_VERSION = 14  # PURLIN_NATIVE_ABI_VERSION (native/CMakeLists.txt)
 
 # ---- native.h: limits, the dtype and reduce-op tables -------------------------------------------------------
 SNAC_MAX_RANKS = 64  # PURLIN_SNAC_MAX_RANKS
@@ -58,7 +58,8 @@ class MoeParams(ctypes.Structure):
         "out_x", "out_scales", "out_expert", "out_src", "out_slot", "out_counts", "out_valid", "expert_out",
         "row_src", "row_slot", "valid", "weights", "y")] + [(n, _ll) for n in ("dtype", "reject", "device", "one_device")] + [
         ("trace", ctypes.c_void_p)] + [(n, _ll) for n in ("one_pass", "ptr_off", "ddone_off")] + [
-        (n, _vp) for n in ("out_ref", "row_ref")]
+        (n, _vp) for n in ("out_ref", "row_ref")] + [(n, _ll) for n in (
+        "decode", "decode_tokens", "win_off", "win_bytes", "rwin_off", "rwin_parity_bytes")] + [("row_counts", _vp)]
 
 
 # ---- encoding.h: the SNAC op table -------------------------------------------------------------------------
@@ -107,7 +108,11 @@ MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pa
 # The same stamps of the one-pass mode's kernels (virtual ranks: rows straight into the receivers' outputs).
 MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad", "received"),
                            "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
+# The same stamps of the decode mode's kernels (one round of packets an op).
+MOE_TRACE_PHASES_DECODE = {"dispatch": ("start", "put", "headers_in", "pad", "expand"),
+                           "combine": ("start", "put_back", "headers_in", "reduce")}
 MOE_PTR_WORDS = 16  # a one-pass pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
+MOE_DECODE_META = 1 << 60  # a decode-mode header's meta word carries it (encoding.h kDecodeMeta)
 MOE_REJECT_BIT = 1 << 62  # a combine done word of a rank that rejected its arguments (encoding.h kRejectBit)
 
 
@@ -152,4 +157,5 @@ def python_layout() -> dict[str, int]:
     out.update({f"snac.error_code.{n}": v for n, v in SNAC_ERROR_CODES.items()})
     out.update({f"moe.error_code.{n}": v for n, v in MOE_ERROR_CODES.items()})
     out["moe.reject_bit"] = MOE_REJECT_BIT
+    out["moe.decode_meta"] = MOE_DECODE_META
     return out

@@ -263,7 +263,8 @@ class Communicator:
 
     # -- MoE expert parallelism ---------------------------------------------------------------
     def moe_dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     num_experts: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> MoEDispatch:
+                     num_experts: int, capacity: int | None = None, dtype: torch.dtype | None = None,
+                     max_tokens: int | None = None) -> MoEDispatch:
         """Send every token to the ranks that own its top-k experts; return this rank's expert rows.
 
         Rank r owns global experts [r*E/W, (r+1)*E/W). ``x`` [T, H] (T may differ per rank, may be 0),
@@ -274,13 +275,16 @@ class Communicator:
         from one source for one expert raise PurlinCapacityError (never silent loss). Without it the
         rows are sized exactly (CUDA eager reads the counts on the host; under graph capture CUDA
         uses ``moe.max_tokens_per_rank``). ``dtype=torch.float8_e4m3fn``: FP8 rows, per-token float32
-        ``.scales``. Collective; what it blocks and captures: docs/DESIGN.md (MoE). A bad argument
+        ``.scales``. ``max_tokens``: the most tokens any rank dispatches in this call, the same value on
+        every rank (default: this rank's T); the CUDA engine picks its decode mode from it under graph
+        capture (``moe.decode_tokens``; eager calls use the exchanged counts), so every rank takes the
+        same mode. Collective; what it blocks and captures: docs/DESIGN.md (MoE). A bad argument
         raises PurlinValueError; eager, the peers raise too, naming the rank (no timeout, the
         communicator stays usable); under graph capture only this rank raises.
         """
         self._check_usable("moe_dispatch")
         return checked_dispatch(self._moe, x, topk_ids, topk_weights, num_experts, capacity, dtype, self.world_size,
-                                self.device)
+                                self.device, max_tokens=max_tokens)
 
     def moe_combine(self, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:
         """Return [T, H] on each source rank: per token, sum over k of ``topk_weights[t, k] *

@@ -57,6 +57,12 @@ class MoESettings(ConfigModel):
       writes each (token, expert) row once into the receiver's output and the combine reads each
       expert output where it lies (no receive slots, no return rows; the MoE region shrinks to a few
       KiB). false: the receive-slot path, which ranks in separate processes always take.
+    * ``decode_tokens`` (8): the CUDA engine's decode mode (docs/DESIGN.md, "MoE"): a call in which every
+      rank dispatches at most this many tokens moves its rows as flag-in-data packets, one round an
+      op (no count, delivered or done words); 0 turns it off; at most 32. Eager calls decide from
+      the exchanged token counts; a captured call from ``moe_dispatch``'s ``max_tokens`` (default:
+      this rank's tokens, so then every rank must be on the same side). Adds windows for this many
+      tokens a rank to the MoE region (about 7 MiB at 8 tokens, top-8, hidden 7168, bf16, 8 ranks).
     * ``trace`` (false): the CUDA kernels stamp the end of each of their phases (the GPU's clock, ns)
       for ``Communicator.moe_trace()``: a diagnostic (one store per phase and call).
     """
@@ -66,6 +72,7 @@ class MoESettings(ConfigModel):
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
     signal_scope: Literal["auto", "system"] = "auto"
     one_pass: bool = True
+    decode_tokens: int = Field(8, ge=0, le=32)
     trace: bool = False
 
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 from . import abi
 from .abi import (  # noqa: F401  (re-exported: the engines and tests read the ABI through this module too)
     ABI_VERSION, DTYPE_CODES, MOE_ERROR_CODES, MOE_ERROR_WORDS, MOE_MAX_RANKS, MOE_REJECT_BIT, MOE_TRACE_PHASES,
-    MOE_TRACE_PHASES_ONE_PASS,
+    MOE_DECODE_META, MOE_TRACE_PHASES_DECODE, MOE_TRACE_PHASES_ONE_PASS,
     MOE_TRACE_WORDS, REDUCE_MAX_SOURCES,
     REDUCE_OP_CODES, SNAC_DESC_AFTER_NS, SNAC_DESC_RING, SNAC_DESC_WORDS, SNAC_ERROR_CODES, SNAC_ERROR_FIELDS, SNAC_ERROR_WORDS,
     SNAC_MAX_RANKS, MoeParams, SnacParams, python_layout,

@@ -44,6 +44,7 @@
 #include "purlin/encoding.h"
 #include "purlin/native.h"
 #include "snac/ops.cuh"
+#include "snac/packet.cuh"
 
 namespace purlin::moe {
 
@@ -1265,6 +1266,445 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
   if (!s_fail && tid < W && !wait_ge(p, done_word(p, p.rank, tid), e * p.blocks, 1, tid, p.blocks)) s_fail = 1;
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 1, 4);
+  finish(st + kCombExit, st + kCombEpoch, e);
+}
+
+
+// ---- decode mode ---------------------------------------------------------------------------------------
+// A few tokens a rank (tokens <= p.decode_tokens on every rank of the call): one round of flag-in-data
+// packets an op (snac/packet.cuh: 16 bytes carry 8 of payload and the epoch twice; a reader that sees its
+// epoch has the payload, no fence and no signal word). Either set of ranks (virtual or in separate
+// processes): a rank writes only into its peers' windows and reads only its own region and tensors.
+//
+// Windows, in the receiver's region: dispatch win[parity][producer] (win_off, win_bytes each): the
+// producer's header (2 * count_bytes: packets of [tokens, 0, meta lo, meta hi, rows per the receiver's
+// local expert]), then decode_tokens slots of 2 * slot_bytes (packets of a token's header and
+// row, as the receive slots hold them); return windows [parity] (rwin_off, rwin_parity_bytes): one header
+// packet per rank (reject bit), then decode_tokens * topk rows of 2 * ret_bytes (slot t * K + k).
+// A window parity is rewritten two calls later, after its writer received its reader's packets of the call
+// between, which the reader sends only once its kernel of the call before ended (stream order): every rank
+// sends every rank a header every call (also when it sends it no rows) and every rank waits for every
+// header, so no acknowledgement exists (the packet collectives' argument).
+//
+// dispatch, epoch e, parity e & 1:
+//   route      every block routes every token (route_counts, route_chunk: one chunk); block 0 writes out_valid
+//              and out_ref (receiver << 32 | j, the slot's rank among my rows of its expert; -1: not routed)
+//   headers    block 0: my header to EVERY rank
+//   put        (token, 16-byte unit of its slot) per thread over the grid: the unit read (and quantised) once
+//              and stored as two packets to each destination's window slot (the token's header units are
+//              per destination)
+//   headers in every block polls every producer's header: tokens, meta, counts (a mismatch: kMismatch,
+//              fatal); offsets per (producer, local expert) as the receive-slot path
+//   pad        out_counts (block 0, with the overflow records), padding rows (expert -1) over the grid
+//   expand     (received token, part of its row) per warp: the token's header packets polled, then each
+//              unit's two packets polled and stored to one row per k (j >= capacity: not written)
+// combine, epoch e:
+//   header     block 0: a header packet to EVERY rank: [1 if I rejected my arguments else 0, my capacity]
+//   put back   (valid row, 16-byte unit) per thread over the grid: expert_out's unit as two packets to slot
+//              row_slot of the row's source (the valid rows of local expert le are its first row_counts[le])
+//   headers in threads poll every rank's header (a reject bit: skip the reduce, record kRejected)
+//   reduce     y[t] = sum_k w[t,k] * row(t, k), float32 (no FMA contraction), k = 0..K-1 over the slots that
+//              were delivered (out_ref a rank d and j < d's capacity), each unit's packets polled where they land
+
+__device__ __forceinline__ char* dwin(const PurlinMoeParams& p, long long owner, int par, long long producer) {
+  return static_cast<char*>(p.bases[owner]) + p.win_off + (par * p.world + producer) * p.win_bytes;
+}
+__device__ __forceinline__ char* dslot(const PurlinMoeParams& p, long long owner, int par, long long producer,
+                                       long long i) {
+  return dwin(p, owner, par, producer) + 2 * p.count_bytes + i * 2 * p.slot_bytes;
+}
+__device__ __forceinline__ long long rwin_head_bytes(const PurlinMoeParams& p) {
+  return (p.world * snac::kPacketBytes + 127) / 128 * 128;
+}
+__device__ __forceinline__ char* rwin_header(const PurlinMoeParams& p, long long owner, int par, long long q) {
+  return static_cast<char*>(p.bases[owner]) + p.rwin_off + par * p.rwin_parity_bytes + q * snac::kPacketBytes;
+}
+__device__ __forceinline__ char* rwin_row(const PurlinMoeParams& p, long long owner, int par, long long slot) {
+  return static_cast<char*>(p.bases[owner]) + p.rwin_off + par * p.rwin_parity_bytes + rwin_head_bytes(p) +
+         slot * 2 * p.ret_bytes;
+}
+
+// Poll the packet at ptr until it carries epoch ep (v: a load already made); false on a timeout (recorded:
+// kind, peer) or a fatal error. `other`, when given, is the peer's count word here: a peer that wrote it for
+// this epoch took the other mode (recorded as kMismatch).
+__device__ inline bool wait_packet(const PurlinMoeParams& p, const char* ptr, snac::Epoch ep, long long e, uint4& v,
+                                   int kind, long long peer, const long long* other = nullptr) {
+  if (snac::packet_ready(v, ep)) return true;
+  const unsigned long long t0 = globaltimer();
+  const volatile long long* fatal = state(p) + kFatal;
+  for (;;) {
+    v = snac::ld_packet(ptr);
+    if (snac::packet_ready(v, ep)) return true;
+    if (*fatal) return false;
+    if (other != nullptr && sig_relaxed(p, other) == e) {
+      record(p, kMismatch, kind, peer, -1, other[2], meta(p) | kDecodeMeta, e, 0, true);
+      return false;
+    }
+    if (globaltimer() - t0 > static_cast<unsigned long long>(p.timeout_ns)) {
+      record(p, kTimeout, kind, peer, -1, 0, 0, e, static_cast<long long>(v.y), true);
+      return false;
+    }
+  }
+}
+
+// Int i of my decode header to rank d: [tokens, 0, meta lo, meta hi, rows per d's local expert].
+__device__ __forceinline__ int decode_header_int(const PurlinMoeParams& p, const DispatchShared& s, long long d,
+                                                 long long i) {
+  const long long m = meta(p) | kDecodeMeta;
+  if (i == 0) return s.tok[d];
+  if (i == 1) return 0;
+  if (i == 2) return int(uint32_t(m));
+  if (i == 3) return int(uint32_t(m >> 32));
+  return i - 4 < p.local ? s.cnt[d * p.local + i - 4] : 0;
+}
+
+// Int i of chunk token tt's slot header at destination d (put_header's words).
+__device__ __forceinline__ int slot_header_int(const PurlinMoeParams& p, const DispatchShared& s, int tt, long long d,
+                                               long long i, long long E) {
+  const long long K = p.topk;
+  if (i == 0) return tt;
+  if (i == 1 + 2 * K) return __float_as_int(p.quant ? s.scale[tt] : 1.0f);
+  if (i > 1 + 2 * K) return 0;
+  const long long k = (i - 1) % K;
+  const long long id = load_id(p, tt * K + k);
+  if (!(id >= 0 && id < E && id / p.local == d)) return -1;
+  return i <= K ? int(id % p.local) : s.u.route.j[tt * K + k];
+}
+
+__device__ __forceinline__ void st_unit(char* dst, const int4& v, snac::Epoch ep) {
+  snac::st_packet(dst, uint64_t(uint32_t(v.x)) | (uint64_t(uint32_t(v.y)) << 32), ep);
+  snac::st_packet(dst + snac::kPacketBytes, uint64_t(uint32_t(v.z)) | (uint64_t(uint32_t(v.w)) << 32), ep);
+}
+
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kernel(PurlinMoeParams p) {
+  __shared__ DispatchShared s;
+  long long* st = state(p);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  if (!dispatch_begins(p, s)) return;
+  const long long e = s.e;
+  const int par = int(e & 1);
+  const snac::Epoch ep{uint32_t(e), uint32_t(e)};
+  const long long W = p.world, L = p.local, cap = p.capacity, E = W * L, T = p.tokens, K = p.topk;
+  const long long hp = (4 + L + 1) / 2;  // header packets
+  // route: every block, every token (T <= decode_tokens <= kChunk)
+  route_counts(p, s, 0, E);
+  if (warp == 0) {
+    route_chunk(p, s, 0, int(T), lane, E);
+  } else if (p.quant) {
+    for (int tt = warp - 1; tt < T; tt += nwarps - 1) {
+      const float sc = token_scale(p, tt, lane);
+      if (lane == 0) s.scale[tt] = sc;
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (long long i = tid; i < T * K; i += blockDim.x) {  // out_ref: the slot's receiver and j
+      const long long id = load_id(p, i), j = s.u.route.j[i];
+      p.out_ref[i] = id >= 0 && id < E && j >= 0 ? ((id / L) << 32) | j : -1;
+    }
+    for (long long i = tid; i < W * hp; i += blockDim.x) {  // headers out
+      const long long d = i / hp, j = i % hp;
+      const uint64_t v = uint64_t(uint32_t(decode_header_int(p, s, d, 2 * j))) |
+                         (uint64_t(uint32_t(decode_header_int(p, s, d, 2 * j + 1))) << 32);
+      snac::st_packet(dwin(p, d, par, p.rank) + j * snac::kPacketBytes, v, ep);
+    }
+  }
+  // put: (token, unit of its slot) per thread, spread over the grid's blocks
+  {
+    const long long hunits = p.hdr_bytes / 16, sunits = p.slot_bytes / 16, items = T * sunits;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long it = blockIdx.x + (long long)gridDim.x * tid; it < items; it += stride) {
+      const int tt = int(it / sunits);
+      const long long u = it % sunits;
+      const unsigned long long rot = rotated(s.mask[tt], p.rank, p.world);
+      int4 v = make_int4(0, 0, 0, 0);
+      if (u >= hunits) v = wire_unit(p, tt, u - hunits, p.quant ? fp8_inverse(s.scale[tt]) : 1.0f);
+      for (unsigned long long m = rot; m; m &= m - 1) {
+        const int d = int((__ffsll(static_cast<long long>(m)) - 1 + p.rank + 1) % p.world);
+        if (u < hunits) {
+          v = make_int4(slot_header_int(p, s, tt, d, 4 * u, E), slot_header_int(p, s, tt, d, 4 * u + 1, E),
+                        slot_header_int(p, s, tt, d, 4 * u + 2, E), slot_header_int(p, s, tt, d, 4 * u + 3, E));
+        }
+        st_unit(dslot(p, d, par, p.rank, s.u.route.pos[tt * W + d]) + u * 2 * snac::kPacketBytes, v, ep);
+      }
+    }
+  }
+  __syncthreads();  // the route's shared arrays are reused below
+  stamp(p, 0, 1);
+  // headers in: every producer's header (tokens -> tstart[q + 1], meta -> route.j)
+  for (long long i = tid; i < W * hp; i += blockDim.x) {
+    const long long q = i / hp, j = i % hp;
+    const char* ptr = dwin(p, p.rank, par, q) + j * snac::kPacketBytes;
+    uint4 v = snac::ld_packet(ptr);
+    if (!wait_packet(p, ptr, ep, e, v, 2, q, count_word(p, p.rank, par, q))) {
+      s.fail = 1;
+      continue;
+    }
+    const int w[2] = {int(v.x), int(v.z)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long idx = 2 * j + h;
+      if (idx == 0) s.tstart[q + 1] = w[h];
+      else if (idx == 1) continue;
+      else if (idx < 4) s.u.route.j[2 * q + idx - 2] = w[h];
+      else if (idx - 4 < L) s.cnt[q * L + idx - 4] = w[h];
+    }
+  }
+  __syncthreads();
+  if (!s.fail && tid < W) {
+    const long long m = (long long)uint32_t(s.u.route.j[2 * tid]) | ((long long)s.u.route.j[2 * tid + 1] << 32);
+    if (m != (meta(p) | kDecodeMeta) || s.tstart[tid + 1] > p.decode_tokens) {
+      record(p, kMismatch, 0, tid, -1, m, meta(p) | kDecodeMeta, e, s.tstart[tid + 1], true);
+      s.bad = 1;
+    }
+  }
+  __syncthreads();
+  stamp(p, 0, 2);
+  if (!s.fail && !s.bad) {
+    for (long long le = tid; le < L; le += blockDim.x) {  // pre: the offset of each source in a group
+      int acc = 0;
+      for (long long q = 0; q < W; ++q) {
+        s.pre[q * L + le] = acc;
+        acc += min(s.cnt[q * L + le], int(cap));
+      }
+    }
+    if (tid == 0) {
+      s.tstart[0] = 0;
+      for (long long q = 0; q < W; ++q) s.tstart[q + 1] += s.tstart[q];
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      if (tid < 32) record_counts(p, s.cnt, cap, e, s.nbad);
+      for (long long le = tid; le < L; le += blockDim.x) {
+        p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
+      }
+    }
+    const long long rows = L * W * cap;  // padding rows: expert -1
+    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
+      const long long le = r / (W * cap), pos = r % (W * cap);
+      if (pos >= s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap))) {
+        p.out_expert[r] = -1;
+        p.out_src[r] = -1;
+        p.out_slot[r] = -1;
+        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
+      }
+    }
+    stamp(p, 0, 3);
+    // expand: (received token, part of its row) per warp, each packet polled where it landed
+    const long long n_recv = s.tstart[W];
+    const long long warps = (long long)gridDim.x * nwarps, units = p.payload_bytes / 16;
+    const long long hunits = p.hdr_bytes / 16, hpk = p.hdr_bytes / 8;
+    const long long parts = n_recv > 0 ? max(1ll, min(warps / n_recv, (units + 31) / 32)) : 1;
+    const long long per = (units + parts - 1) / parts;
+    int4* out = static_cast<int4*>(p.out_x);
+    bool ok = true;
+    for (long long it = (long long)blockIdx.x * nwarps + warp; it < n_recv * parts; it += warps) {
+      const long long g = it / parts, u0 = (it % parts) * per, u1 = min(units, u0 + per);
+      int q = 0;
+      while (s.tstart[q + 1] <= g) ++q;
+      const char* slot = dslot(p, p.rank, par, q, g - s.tstart[q]);
+      // the token's header: packets lane and lane + 32 (hpk <= 34)
+      uint4 h0 = make_uint4(0, 0, 0, 0), h1 = make_uint4(0, 0, 0, 0);
+      if (ok && lane < hpk) {
+        h0 = snac::ld_packet(slot + lane * snac::kPacketBytes);
+        ok = wait_packet(p, slot + lane * snac::kPacketBytes, ep, e, h0, 2, q);
+      }
+      if (ok && lane + 32 < hpk) {
+        h1 = snac::ld_packet(slot + (lane + 32) * snac::kPacketBytes);
+        ok = wait_packet(p, slot + (lane + 32) * snac::kPacketBytes, ep, e, h1, 2, q);
+      }
+      auto word = [&](long long idx) -> int {  // int idx of the header (every lane calls it)
+        const int pk = int(idx >> 1), src = pk & 31;
+        const unsigned a = __shfl_sync(0xffffffffu, (idx & 1) ? h0.z : h0.x, src);
+        const unsigned b = __shfl_sync(0xffffffffu, (idx & 1) ? h1.z : h1.x, src);
+        return int(pk < 32 ? a : b);
+      };
+      const int tok = word(0);
+      const long long kl = min(static_cast<long long>(lane), K - 1);
+      const int le_k = word(1 + kl);
+      const int j_k = word(1 + K + kl);
+      const float scale = __int_as_float(word(1 + 2 * K));
+      long long row = -1;
+      if (lane < K && le_k >= 0 && j_k < cap) row = le_k * W * cap + s.pre[q * L + le_k] + j_k;
+      if (!__all_sync(0xffffffffu, ok)) {
+        ok = false;
+        continue;
+      }
+      const unsigned bal = __ballot_sync(0xffffffffu, row >= 0);
+      const int nrows = __popc(bal);
+      if (row >= 0) s.u.rows[warp][__popc(bal & ((1u << lane) - 1u))] = row;
+      if (row >= 0 && u0 == 0) {
+        p.out_expert[row] = le_k;
+        p.out_src[row] = q;
+        p.out_slot[row] = static_cast<long long>(tok) * K + lane;
+        if (p.out_scales != nullptr) p.out_scales[row] = scale;
+      }
+      __syncwarp();
+      constexpr int kUnroll = 4;
+      for (long long b0 = u0; b0 < u1; b0 += 32 * kUnroll) {
+        uint4 a[kUnroll], b[kUnroll];
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {  // every load in flight, then the flags
+          const long long u = b0 + lane + 32 * i;
+          if (u < u1) {
+            const char* src = slot + (hunits + u) * 2 * snac::kPacketBytes;
+            a[i] = snac::ld_packet(src);
+            b[i] = snac::ld_packet(src + snac::kPacketBytes);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kUnroll; ++i) {
+          const long long u = b0 + lane + 32 * i;
+          if (u >= u1 || !ok) continue;
+          const char* src = slot + (hunits + u) * 2 * snac::kPacketBytes;
+          ok = wait_packet(p, src, ep, e, a[i], 2, q) && wait_packet(p, src + snac::kPacketBytes, ep, e, b[i], 2, q);
+          if (!ok) continue;
+          const int4 v = make_int4(int(a[i].x), int(a[i].z), int(b[i].x), int(b[i].z));
+          for (int r = 0; r < nrows; ++r) out[s.u.rows[warp][r] * units + u] = v;
+        }
+      }
+      __syncwarp();
+    }
+    if (!ok) s.fail = 1;
+  }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 0, 4);
+  finish(st + kDispExit, st + kDispEpoch, e);
+}
+
+// The decode combine's reduce: y[t]'s 16-byte chunk c per thread over the grid, the sum over k in order
+// (as reduce_slots), each slot's two packets polled where they land. A slot adds nothing where it was not
+// delivered: out_ref -1 (not routed) or j at or over its receiver's capacity (cap[d], from its header).
+// A timeout is recorded and ends the thread's work.
+template <class T>
+__device__ inline void reduce_packets(const PurlinMoeParams& p, int par, snac::Epoch ep, long long e,
+                                      const unsigned* cap) {
+  constexpr int kVec = 16 / sizeof(T), kLoads = 4;  // two packets a load: 4 slots in flight
+  const long long chunks = p.ret_bytes / 16, K = p.topk, items = p.tokens * chunks;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long it = blockIdx.x + (long long)gridDim.x * threadIdx.x; it < items; it += stride) {
+    const long long t = it / chunks, c = it % chunks;
+    float acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
+    for (long long k0 = 0; k0 < K; k0 += kLoads) {
+      uint4 a[kLoads], b[kLoads];
+      long long src[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const long long k = k0 + u;
+        const long long ref = k < K ? p.row_ref[t * K + k] : -1;
+        src[u] = ref >= 0 && (ref & 0xffffffffll) < cap[ref >> 32] ? ref >> 32 : -1;
+        if (src[u] >= 0) {
+          const char* r = rwin_row(p, p.rank, par, t * K + k) + c * 2 * snac::kPacketBytes;
+          a[u] = snac::ld_packet(r);
+          b[u] = snac::ld_packet(r + snac::kPacketBytes);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (src[u] < 0) continue;
+        const char* r = rwin_row(p, p.rank, par, t * K + k0 + u) + c * 2 * snac::kPacketBytes;
+        if (!wait_packet(p, r, ep, e, a[u], 3, src[u]) ||
+            !wait_packet(p, r + snac::kPacketBytes, ep, e, b[u], 3, src[u])) {
+          return;
+        }
+        const float w = p.weights[t * K + k0 + u];
+        const uint4 raw = make_uint4(a[u].x, a[u].z, b[u].x, b[u].z);
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, to_f<T>(v[i])));
+      }
+    }
+    int4 out;
+    T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) o[i] = from_f<T>(acc[i]);
+    *reinterpret_cast<int4*>(static_cast<char*>(p.y) + t * p.ret_bytes + c * 16) = out;
+  }
+}
+
+__global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_decode_kernel(PurlinMoeParams p) {
+  __shared__ long long s_e;
+  __shared__ int s_fail, s_rej;
+  __shared__ int s_pre[PURLIN_MOE_MAX_EXPERTS + 1];  // valid rows of local experts before le
+  __shared__ unsigned s_cap[PURLIN_MOE_MAX_RANKS];  // every rank's capacity (its header)
+  long long* st = state(p);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
+    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s_rej = 0;
+  }
+  __syncthreads();
+  const long long e = s_e;
+  const int par = int(e & 1);
+  const snac::Epoch ep{uint32_t(e), uint32_t(e)};
+  const long long W = p.world, L = p.local, cap = p.capacity;
+  stamp(p, 1, 0);
+  if (s_fail) {
+    finish(st + kCombExit, st + kCombEpoch, e);
+    return;
+  }
+  if (blockIdx.x == 0 && tid < W) {
+    snac::st_packet(rwin_header(p, tid, par, p.rank), uint64_t(p.reject) | (uint64_t(cap) << 32), ep);
+  }
+  if (!p.reject) {
+    // the valid rows: local expert le's first row_counts[le] rows; warp 0 scans their prefix
+    if (warp == 0) {
+      int carry = 0;
+      if (lane == 0) s_pre[0] = 0;
+      for (long long b = 0; b < L; b += 32) {
+        int c = b + lane < L ? p.row_counts[b + lane] : 0, x = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, x, o);
+          if (lane >= o) x += y;
+        }
+        if (b + lane < L) s_pre[b + lane + 1] = carry + x;
+        carry += __shfl_sync(0xffffffffu, x, 31);
+      }
+    }
+    __syncthreads();
+    const long long units = p.ret_bytes / 16, items = s_pre[L] * units;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long it = blockIdx.x + (long long)gridDim.x * tid; it < items; it += stride) {
+      const long long v = it / units, u = it % units;
+      long long lo = 0, hi = L;  // the expert le with s_pre[le] <= v < s_pre[le + 1]
+      while (hi - lo > 1) {
+        const long long mid = (lo + hi) / 2;
+        if (s_pre[mid] <= v) lo = mid; else hi = mid;
+      }
+      const long long row = lo * W * cap + (v - s_pre[lo]);
+      const int4 x = reinterpret_cast<const int4*>(static_cast<const char*>(p.expert_out) + row * p.ret_bytes)[u];
+      st_unit(rwin_row(p, p.row_src[row], par, p.row_slot[row]) + u * 2 * snac::kPacketBytes, x, ep);
+    }
+  }
+  stamp(p, 1, 1);
+  // headers in: every rank's, also when I rejected (the window argument needs them)
+  if (tid < W) {
+    const char* ptr = rwin_header(p, p.rank, par, tid);
+    uint4 v = snac::ld_packet(ptr);
+    if (!wait_packet(p, ptr, ep, e, v, 3, tid)) {
+      s_fail = 1;
+    } else if (v.x != 0 && tid != p.rank) {
+      if (blockIdx.x == 0) record(p, kRejected, 1, tid, -1, 0, 0, e, 0, false);
+      s_rej = 1;
+    } else {
+      s_cap[tid] = v.z;  // the rank's capacity: my slots it took have j below it
+    }
+  }
+  __syncthreads();
+  stamp(p, 1, 2);
+  if (!s_fail && !s_rej && !p.reject) {
+    switch (p.dtype) {
+      case PURLIN_DTYPE_BFLOAT16: reduce_packets<__nv_bfloat16>(p, par, ep, e, s_cap); break;
+      case PURLIN_DTYPE_FLOAT16: reduce_packets<__half>(p, par, ep, e, s_cap); break;
+      default: reduce_packets<float>(p, par, ep, e, s_cap); break;
+    }
+  }
+  if (p.trace != nullptr) __syncthreads();
+  stamp(p, 1, 3);
   finish(st + kCombExit, st + kCombEpoch, e);
 }
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..config import MoESettings
 from .args import start
 from .metrics import percentile
 from .moe_check import (DTYPES, bitwise_vs_reference, check, expert_scale, make_inputs, max_pair_load, run_experts,
@@ -86,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-pass", choices=("on", "off"), default="on",
                    help="moe.one_pass: virtual ranks write rows straight into each other's outputs (on) or take "
                         "the receive-slot path of ranks in separate processes (off)")
+    p.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="moe.decode_tokens: calls of at most N tokens a rank take the decode mode (packets, one "
+                        "round an op); 0: off (default: the config's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="timeout_s of each communicator")
     p.add_argument("--out", default=None, help="results directory (default ./bench-results/moe-<timestamp>)")
@@ -239,6 +243,8 @@ def _config_run(args, tokens: int, dtype_name: str, with_reference: bool, device
 
     cfg = {"timeout_s": args.timeout, "moe": {"max_tokens_per_rank": max(tokens, 1), "signal_scope": args.signal_scope,
                                               "one_pass": args.one_pass == "on"}}
+    if args.decode_tokens is not None:
+        cfg["moe"]["decode_tokens"] = args.decode_tokens
     extra = {}
     if device.type == "cuda" and "reserve_bytes" in inspect.signature(run_virtual).parameters:
         # loopback ranks share one CUDA context: a rank's cudaMalloc while peers' kernels wait for it
@@ -334,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k) for k in ("device", "tokens", "hidden", "topk", "experts", "world", "dtypes",
                                               "mode", "capacity", "drop_every", "iters", "warmup", "graph_calls",
                                               "launch_ahead", "seed", "timeout", "signal_scope", "one_pass")}
+    settings["decode_tokens"] = (args.decode_tokens if args.decode_tokens is not None
+                                 else MoESettings().decode_tokens)  # calls of up to this many tokens: decode mode
     settings["timing"] = ("per iteration the slowest rank; CUDA events on each rank's stream (graph: one replay "
                           "of graph_calls calls / graph_calls; launch_ahead: the replays enqueued behind a GPU "
                           "sleep, run back to back) or time.perf_counter (CPU); pair = dispatch then combine, no "

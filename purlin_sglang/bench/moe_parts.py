@@ -114,6 +114,8 @@ def run_config(tokens: int, dtype: str, args) -> dict:
     rows = experts * capacity  # expert rows per rank: E/W local experts x W sources x capacity
     reserve = int(rows * args.hidden * 2 * (2 * args.calls + 4) + (512 << 20))
     moe = {"max_tokens_per_rank": max(tokens, 1), "trace": args.phases > 0, "one_pass": args.one_pass == "on"}
+    if args.decode_tokens is not None:
+        moe["decode_tokens"] = args.decode_tokens
     ranks = run_virtual(world, fn, device="cuda", config={"timeout_s": 60.0, "moe": moe}, reserve_bytes=reserve)
     per_rank = [r[0] for r in ranks]
     res = {"tokens": tokens, "dtype": dtype, "capacity": capacity, "world": world}
@@ -199,6 +201,9 @@ def main(argv=None) -> int:
                         "(durations, gaps between kernels, the ranks' start spread: bench/moe_timeline.py)")
     p.add_argument("--one-pass", choices=("on", "off"), default="on",
                    help="moe.one_pass (on: rows straight into the receivers' outputs; off: the receive-slot path)")
+    p.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="moe.decode_tokens (calls of at most N tokens a rank take the decode mode; 0: off; default: "
+                        "the config's)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
     p.add_argument("--trace-calls", type=int, default=1, metavar="N",

@@ -199,7 +199,8 @@ class CpuMoE:
         """This rank's arguments are bad: tell the peers (they wait in the header exchange) and raise."""
         self.exchange.reject(error)
 
-    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
+    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool,
+                 max_tokens=None) -> MoEDispatch:
         plan = self._plan("dispatch", num_experts, capacity, quant)
         return dispatch(self.ctx, self.exchange, plan, x, ids, weights)
 

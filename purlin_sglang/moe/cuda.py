@@ -12,6 +12,15 @@ it; ``out_ref`` ([T, K], receiver << 32 | row) carries each slot's row from the 
 combine. Ranks in separate processes cannot address each other's tensors and take the receive-slot
 path above. Both modes give the same outputs, bitwise.
 
+Decode mode (``moe.decode_tokens`` D, default 8; moe_kernel.cuh, "decode mode"): a call in which every
+rank dispatches at most D tokens, in either mode above, moves its rows as flag-in-data packets into
+per-source windows of the receiver's region and back, one round an op (no count, delivered, ready or
+done words). Every rank of a call must take it alike: an eager call decides from the token counts
+its exchange gathered; a captured call from ``max_tokens`` (the most tokens any rank dispatches,
+the same on every rank; default this rank's own). A rank whose peer took the other mode records a
+mismatch (fatal) or times out. Outputs bitwise those of the other modes; ``out_ref`` holds each
+slot's receiver (-1: not delivered).
+
 Modes:
 
 * graph mode (under CUDA graph capture, or ``capacity=`` given): ``world * capacity`` rows per local
@@ -57,8 +66,9 @@ _CODES = {getattr(torch, n): native.DTYPE_CODES[n] for n in ("bfloat16", "float1
 # The kernels' host-mapped error record (moe_kernel.cuh record()): word i holds field i; word 0 is the code, a
 # value of native.MOE_ERROR_CODES (0: none). ``kind`` names the call whose wait or check recorded it.
 RECORD_FIELDS = ("code", "kind", "rank", "peer", "expert", "count", "cap", "epoch", "seen")
-KIND_DISPATCH, KIND_COMBINE = 0, 1
-KINDS = {KIND_DISPATCH: ("moe_dispatch", "count word"), KIND_COMBINE: ("moe_combine", "done word")}  # op, word
+KIND_DISPATCH, KIND_COMBINE, KIND_DISPATCH_PACKETS, KIND_COMBINE_PACKETS = 0, 1, 2, 3
+KINDS = {KIND_DISPATCH: ("moe_dispatch", "count word"), KIND_COMBINE: ("moe_combine", "done word"),  # op, word
+         KIND_DISPATCH_PACKETS: ("moe_dispatch", "decode packets"), KIND_COMBINE_PACKETS: ("moe_combine", "decode packets")}
 FATAL = ("TIMEOUT", "MISMATCH")  # the codes that break the communicator; the others are raised once
 
 
@@ -83,6 +93,16 @@ def recorded_error(words, timeout_s: float) -> tuple[PurlinError, bool] | None:
     elif name == "REJECTED":
         error = PurlinValueError(f"{op}: rank {peer} rejected its arguments of MoE combine #{epoch} (its error names "
                                  "the argument); no rank reduced that call's outputs; the communicator stays usable")
+    elif name == "MISMATCH" and (count ^ cap) & native.MOE_DECODE_META:
+        error = PurlinMismatchError(
+            f"{op}: rank {peer} and rank {rank} took different MoE modes in call #{epoch} (rank "
+            f"{peer if count & native.MOE_DECODE_META else rank} the decode mode): in a captured call every rank must "
+            "pass the same max_tokens to moe_dispatch (the most tokens any rank dispatches), or have its tokens on "
+            "the same side of moe.decode_tokens; the communicator is now broken", op=op, rank=rank, peer=peer)
+    elif name == "MISMATCH" and count == cap:
+        error = PurlinMismatchError(
+            f"{op}: rank {peer} sent {f['seen']} tokens in the decode mode, more than rank {rank}'s windows hold "
+            "(moe.decode_tokens differs between ranks); the communicator is now broken", op=op, rank=rank, peer=peer)
     elif name == "MISMATCH":
         error = PurlinMismatchError(
             f"{op}: rank {peer} dispatched rows of another shape (meta {count:#x}, mine {cap:#x}: hidden size, top-k "
@@ -91,27 +111,38 @@ def recorded_error(words, timeout_s: float) -> tuple[PurlinError, bool] | None:
         name = "TIMEOUT"
         error = PurlinTimeoutError(
             f"{op}: rank {rank} waited {timeout_s:g}s for rank {peer}'s {what} of MoE call #{epoch} (saw "
-            f"#{f['seen']}). Rank {peer} skipped this call or is stuck; the communicator is now broken",
+            f"#{f['seen']}). Rank {peer} skipped this call or is stuck{_mode_hint(f['kind'])}; the communicator is "
+            "now broken",
             op=op, rank=rank, missing=[peer])
     return error, name in FATAL
+
+
+def _mode_hint(kind: int) -> str:
+    """A timeout's hint where a peer may have taken the other MoE mode (decode or not)."""
+    if kind in (KIND_DISPATCH_PACKETS, KIND_COMBINE_PACKETS):
+        return " (or took the normal mode: see moe.decode_tokens and moe_dispatch's max_tokens)"
+    return ""
 
 
 class _State:
     """What a dispatch leaves for its combine (kept alive with the MoEDispatch)."""
 
-    __slots__ = ("valid", "src", "slot", "rows", "cap", "index", "ref")
+    __slots__ = ("valid", "src", "slot", "rows", "cap", "index", "ref", "decode", "counts")
 
-    def __init__(self, valid, src, slot, rows, cap, index, ref=None):
+    def __init__(self, valid, src, slot, rows, cap, index, ref=None, decode=False, counts=None):
         self.valid, self.src, self.slot, self.rows, self.cap, self.index = valid, src, slot, rows, cap, index
-        self.ref = ref  # one-pass mode: [T, K] receiver << 32 | row there (-1: none)
+        self.ref = ref  # one-pass mode: [T, K] receiver << 32 | row there; decode mode: the receiver (-1: none)
+        self.decode, self.counts = decode, counts  # decode mode: the combine's too; out_counts (valid rows)
 
 
 
-def trace_stamps(words, one_pass: bool = False) -> dict[str, dict[str, int]]:
+def trace_stamps(words, one_pass: bool = False, decode: bool = False) -> dict[str, dict[str, int]]:
     """The kernels' trace words (``2 * MOE_TRACE_WORDS``, rows dispatch and combine) by kind and phase
-    name (the one-pass mode's kernels have their own phases); a phase not stamped yet (0) is left out."""
+    name (the one-pass and decode modes' kernels have their own phases); a phase not stamped yet (0) is
+    left out."""
     out = {}
-    table = native.MOE_TRACE_PHASES_ONE_PASS if one_pass else native.MOE_TRACE_PHASES
+    table = (native.MOE_TRACE_PHASES_DECODE if decode else
+             native.MOE_TRACE_PHASES_ONE_PASS if one_pass else native.MOE_TRACE_PHASES)
     for row, (kind, phases) in enumerate(table.items()):
         base = row * native.MOE_TRACE_WORDS
         out[kind] = {name: int(words[base + i]) for i, name in enumerate(phases) if words[base + i]}
@@ -149,6 +180,7 @@ class CudaMoE:
         self.one_device = signals_at_gpu_scope(ctx)
         self.one_pass = one_pass_mode(ctx)
         self.layout: MoELayout | None = None
+        self.last_decode = False  # whether the last dispatch took the decode mode (its combine does too)
         self.region = None
         self._own_region = None  # a process group's region (closed here); loopback's belongs to the world
         self._host_error = torch.zeros(native.MOE_ERROR_WORDS, dtype=torch.int64, pin_memory=True)
@@ -185,7 +217,7 @@ class CudaMoE:
                                          "captured; run the call once outside the CUDA graph capture (warm-up)")
         ctx = self.ctx
         layout = MoELayout(self.world, self.settings.max_tokens_per_rank, topk, payload_bytes, ret_bytes,
-                           one_pass=self.one_pass)
+                           one_pass=self.one_pass, decode_tokens=self.settings.decode_tokens)
         if ctx.shared_regions is not None:
             self.region = ctx.shared_regions.get(layout, self.device)
         else:
@@ -215,6 +247,8 @@ class CudaMoE:
         p.one_device = int(self.one_device)
         p.trace = self._trace.data_ptr() if self._trace is not None else None
         p.one_pass, p.ptr_off, p.ddone_off = int(layout.one_pass), layout.ptr_off, layout.ddone_off
+        p.decode_tokens, p.win_off, p.win_bytes = layout.decode_tokens, layout.win_off, layout.win_bytes
+        p.rwin_off, p.rwin_parity_bytes = layout.rwin_off, layout.rwin_parity_bytes
         return p
 
     def _launch(self, fn, p, op: str) -> None:
@@ -289,7 +323,7 @@ class CudaMoE:
             return None
         if self._stream is not None:
             self._stream.synchronize()
-        return trace_stamps(self._trace.tolist(), self.one_pass)
+        return trace_stamps(self._trace.tolist(), self.one_pass, self.last_decode)
 
     # -- calls -----------------------------------------------------------------------------------------
     def _check_local(self, x, ids, num_experts: int, quant: str, capturing: bool) -> int:
@@ -319,7 +353,19 @@ class CudaMoE:
         raise ``error``; they raise too, naming this rank, and no rank launches."""
         self.exchange.reject(error)
 
-    def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool) -> MoEDispatch:
+    def decode_mode(self, layout: MoELayout, tokens: int, max_tokens, capturing: bool, topk: int, payload_bytes: int,
+                    ret_bytes: int) -> bool:
+        """Whether this call takes the decode mode, decided alike on every rank: the most tokens any rank
+        dispatches (eager: from the exchange; captured: ``max_tokens``, else this rank's ``tokens``) is at
+        most ``moe.decode_tokens`` and the rows fit the decode windows."""
+        limit = self.settings.decode_tokens
+        if not limit or not layout.decode_fits(topk, payload_bytes, ret_bytes):
+            return False
+        most = max(self.exchange.tokens) if not capturing else (max_tokens if max_tokens is not None else tokens)
+        return most <= limit
+
+    def dispatch(self, x, ids, ws, num_experts: int, capacity, quant: str, capturing: bool,
+                 max_tokens=None) -> MoEDispatch:
         self.check(fatal_only=True)
         op = "moe_dispatch"
         try:
@@ -354,8 +400,10 @@ class CudaMoE:
         out_counts = torch.empty(local, dtype=torch.int32, device=dev)
         out_scales = torch.empty(rows, dtype=torch.float32, device=dev) if fp8 else None
         valid = torch.empty(t_n, k_n, dtype=torch.bool, device=dev)
-        ref = torch.empty(t_n, k_n, dtype=torch.int64, device=dev) if layout.one_pass else None
+        decode = self.decode_mode(layout, t_n, max_tokens, capturing, k_n, payload_bytes, hidden * x.element_size())
+        ref = torch.empty(t_n, k_n, dtype=torch.int64, device=dev) if layout.one_pass or decode else None
         p = self._params(layout)
+        p.decode = int(decode)
         p.local, p.topk, p.tokens, p.capacity = local, k_n, t_n, cap
         p.payload_bytes, p.hdr_bytes = payload_bytes, header_bytes(k_n)
         p.slot_bytes = p.hdr_bytes + payload_bytes
@@ -370,7 +418,8 @@ class CudaMoE:
             index = torch.cat([torch.arange(e * world * cap, e * world * cap + int(n), dtype=torch.int64, device=dev)
                                for e, n in enumerate(rows_exact.tolist())])  # made on the device: no copy
         self._launch(self.lib.moe_dispatch, p, op)
-        state = _State(valid, out_src, out_slot, rows, cap, index, ref)
+        self.last_decode = decode
+        state = _State(valid, out_src, out_slot, rows, cap, index, ref, decode, out_counts)
         d_x, d_expert, d_src, d_slot, d_scales = out_x, out_expert, out_src, out_slot, out_scales
         if index is not None:
             d_x, d_expert, d_src, d_slot = out_x[index], out_expert[index], out_src[index], out_slot[index]
@@ -388,6 +437,7 @@ class CudaMoE:
         if self.layout is not None and self.region is not None and not capturing_now():
             p = self._params(self.layout)
             p.local, p.topk, p.tokens, p.capacity, p.dtype, p.reject = 1, 1, 0, 1, _CODES[torch.float32], 1
+            p.decode = int(self.last_decode)  # the peers run the combine of the last dispatch's mode
             self._launch(self.lib.moe_combine, p, "moe_combine")
         raise error
 
@@ -399,7 +449,11 @@ class CudaMoE:
         ret_bytes = d.hidden * expert_out.element_size()
         if ret_bytes % 16:
             raise PurlinValueError(f"{op}: expert_out rows of {ret_bytes} bytes are not a multiple of 16 bytes")
-        if not layout.fits(d.topk, 0, ret_bytes):
+        if st.decode and not layout.decode_fits(d.topk, 0, ret_bytes):
+            self.reject_combine(PurlinValueError(
+                f"{op}: expert_out rows of {ret_bytes} bytes ({expert_out.dtype}) do not fit the decode mode's "
+                f"windows made by the first call ({layout}); combine in the dispatched x's dtype or narrower"))
+        if not st.decode and not layout.fits(d.topk, 0, ret_bytes):
             raise PurlinValueError(f"{op}: expert_out rows of {ret_bytes} bytes ({expert_out.dtype}) do not fit the "
                                    f"MoE region made by the first call ({layout}); combine in the dispatched x's dtype "
                                    "or narrower")
@@ -414,6 +468,7 @@ class CudaMoE:
         p.expert_out, p.row_src, p.row_slot = full.data_ptr(), st.src.data_ptr(), st.slot.data_ptr()
         p.weights, p.valid, p.y = d.weights.data_ptr(), st.valid.data_ptr(), y.data_ptr()
         p.row_ref = st.ref.data_ptr() if st.ref is not None else None
+        p.decode, p.row_counts = int(st.decode), st.counts.data_ptr()
         self._launch(self.lib.moe_combine, p, op)
         if not capturing_now():
             self.check()  # an overflow or bad ids recorded by an earlier dispatch: every rank ran this call

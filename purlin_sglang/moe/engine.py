@@ -71,9 +71,11 @@ class MoEEngine(Protocol):
     hbm_bytes: int
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                 capacity: Optional[int], quant: str, capturing: bool) -> MoEDispatch:
+                 capacity: Optional[int], quant: str, capturing: bool, max_tokens: Optional[int] = None) -> MoEDispatch:
         """Route this rank's tokens to their experts' ranks and return its expert rows. Eager calls
-        (``capturing`` false) run the count exchange first; ``quant``: ``"none"`` or ``"fp8"``."""
+        (``capturing`` false) run the count exchange first; ``quant``: ``"none"`` or ``"fp8"``;
+        ``max_tokens``: the most tokens any rank dispatches in this call (or None), which an engine may
+        use to pick a mode every rank takes alike."""
         ...
 
     def combine(self, expert_out: torch.Tensor, d: MoEDispatch) -> torch.Tensor:

@@ -78,6 +78,7 @@ class CountExchange:
         self.ctx = ctx
         self._to_device = to_device or (lambda vals: torch.tensor(vals, dtype=torch.int64, device=ctx.device))
         self._to_host = to_host or (lambda t: t.cpu())
+        self.tokens: list[int] = []  # every rank's tokens in the last header exchange
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int, capacity: Optional[int], quant: str,
             counts: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,7 @@ class CountExchange:
         seen = self._to_host(self.ctx.all_gather(self._to_device(vals))).view(world, -1)
         raise_rejected(OP, seen[:, : 1 + CAUSE_WORDS], error)
         fields = seen[:, 1 + CAUSE_WORDS:]
+        self.tokens = fields[:, len(values)].tolist()  # every rank's token count (rank order)
         for i, name in enumerate(HEADER_FIELDS[: len(values)]):
             col = fields[:, i].tolist()
             if any(v != col[0] for v in col):

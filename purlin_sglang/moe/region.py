@@ -18,12 +18,18 @@ virtual rank). Per rank, in bytes (M = moe.max_tokens_per_rank, W ranks, K top-k
   say a rank rejected its arguments) and ``ddone[W]`` (8 each: the dispatch's "rows delivered"
   counters, one added by every block of a producer every call).
 * one-pass mode (virtual ranks, ``moe.one_pass``): no ``recv`` and no ``ret``. A few KiB.
+* decode windows (``moe.decode_tokens`` D > 0, either mode): ``win[2][W producers]`` of ``2 *
+  count_bytes + D * 2 * (hdr + payload)`` (a producer's header and token slots as 16-byte packets
+  of 8 payload bytes) and ``rwin[2]`` of ``align128(16 W) + D * K * 2 * ret`` (a header packet per
+  rank, then the return rows of slot t * K + k as packets). At D 8, W 8, K 8, H 7168, bf16: 7.0 MiB.
 
 Both halves (parity = epoch & 1) make back-to-back dispatches (or combines) safe with no
 acknowledgement: a producer writes parity p again two calls later, after it saw, in the call
 between, its consumer's word of that call, which the consumer writes only after it finished the
 call that read parity p. Footprint: ``2*W*M*(hdr + H*e_d) + 2*M*K*H*e_x`` plus a few KiB; at
-M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in one-pass mode 8 KiB.
+M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in one-pass mode 8 KiB; the decode
+windows add theirs (the packets' windows follow the same parity argument: every rank sends every rank
+a header packet every call and waits for all of them).
 
 Virtual ranks on one GPU share one allocation (:class:`SharedRegions`, which the virtual world
 holds and the MoE context hands the CUDA part); a process group's rank gets its own from the
@@ -57,6 +63,7 @@ class MoELayout:
     payload_bytes: int  # largest dispatch row (H * element size)
     ret_bytes: int  # largest combine row
     one_pass: bool = False  # one-pass mode: no receive slots, no return rows (virtual ranks)
+    decode_tokens: int = 0  # D: token slots of the decode mode's windows (0: no decode mode)
 
     @property
     def state_off(self) -> int:
@@ -101,8 +108,36 @@ class MoELayout:
         return 0 if self.one_pass else self.max_tokens * self.topk * _align(self.ret_bytes, 16)
 
     @property
-    def rank_bytes(self) -> int:
+    def win_off(self) -> int:
         return _align(self.ret_off + 2 * self.ret_parity_bytes, 4096)
+
+    @property
+    def win_bytes(self) -> int:
+        if not self.decode_tokens:
+            return 0
+        slot = header_bytes(self.topk) + _align(self.payload_bytes, 16)
+        return _align(2 * self.count_bytes + self.decode_tokens * 2 * slot, 128)
+
+    @property
+    def rwin_off(self) -> int:
+        return _align(self.win_off + 2 * self.world * self.win_bytes, 4096)
+
+    @property
+    def rwin_parity_bytes(self) -> int:
+        if not self.decode_tokens:
+            return 0
+        rows = self.decode_tokens * self.topk * 2 * _align(self.ret_bytes, 16)
+        return _align(_align(16 * self.world, 128) + rows, 128)
+
+    @property
+    def rank_bytes(self) -> int:
+        return _align(self.rwin_off + 2 * self.rwin_parity_bytes, 4096)
+
+    def decode_fits(self, topk: int, payload_bytes: int, ret_bytes: int) -> bool:
+        """Whether a call with these rows fits the decode windows (the region has them; top-k and rows
+        no larger than they were sized for)."""
+        return (self.decode_tokens > 0 and topk <= self.topk and payload_bytes <= self.payload_bytes
+                and ret_bytes <= self.ret_bytes)
 
     def fits(self, topk: int, payload_bytes: int, ret_bytes: int | None = None) -> bool:
         """Whether a call with these rows fits (fewer top-k, smaller rows: yes)."""

@@ -31,7 +31,7 @@ def _tensor(op: str, what: str, t: Any, device: torch.device, dim: int) -> None:
 
 
 def check_dispatch(x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, dtype: Any, world: int,
-                   device: torch.device, check_values: bool) -> str:
+                   device: torch.device, check_values: bool, max_tokens: Any = None) -> str:
     """Validate; return the payload quantisation ("none" or "fp8"). ``check_values``: also read the
     ids on the host (range check; a device sync on CUDA, so not under graph capture)."""
     op = "moe_dispatch"
@@ -58,6 +58,10 @@ def check_dispatch(x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, d
                                "(experts are split contiguously over the ranks)")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise PurlinValueError(f"{op}: capacity must be None or a positive int, got {capacity!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < x.shape[0]):
+        raise PurlinValueError(f"{op}: max_tokens must be None or an int >= this rank's {x.shape[0]} tokens (the most "
+                               f"tokens any rank dispatches in this call), got {max_tokens!r}")
     if dtype is not None and dtype not in (FP8, x.dtype):
         raise PurlinValueError(f"{op}: dtype must be None, x's dtype or torch.float8_e4m3fn, got {dtype}")
     if check_values and ids.numel():
@@ -66,19 +70,20 @@ def check_dispatch(x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, d
 
 
 def checked_dispatch(moe: Any, x: Any, ids: Any, ws: Any, num_experts: Any, capacity: Any, dtype: Any, world: int,
-                     device: torch.device) -> MoEDispatch:
+                     device: torch.device, max_tokens: Any = None) -> MoEDispatch:
     """Validate a moe_dispatch call, then run it on the MoE engine ``moe``. A bad argument raises
     PurlinValueError; in eager mode ``moe.reject`` first tells the peers (every rank raises, the
     communicator stays usable). Under graph capture the error is this rank's alone."""
     on_gpu = device.type == "cuda"
     capturing = on_gpu and torch.cuda.is_current_stream_capturing()
     try:  # the GPU engine checks the ids' range itself (no host read)
-        quant = check_dispatch(x, ids, ws, num_experts, capacity, dtype, world, device, check_values=not on_gpu)
+        quant = check_dispatch(x, ids, ws, num_experts, capacity, dtype, world, device, check_values=not on_gpu,
+                               max_tokens=max_tokens)
     except PurlinValueError as e:
         if not capturing:
             moe.reject(e)  # raises
         raise
-    return moe.dispatch(x, ids, ws, num_experts, capacity, quant, capturing)
+    return moe.dispatch(x, ids, ws, num_experts, capacity, quant, capturing, max_tokens=max_tokens)
 
 
 def check_combine(expert_out: Any, d: Any, device: torch.device, owner: int) -> None:

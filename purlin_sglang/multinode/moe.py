@@ -50,7 +50,7 @@ class NodeMoE(cpu.CpuMoE):
         self.comm = comm
         self.rows_across = 0  # tokens the last dispatch sent to other nodes (each once per destination node)
 
-    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool):
+    def dispatch(self, x, ids, weights, num_experts: int, capacity, quant: str, capturing: bool, max_tokens=None):
         if capturing:  # the same on every rank (each captures the same calls): every rank raises
             raise PurlinUnavailableError(
                 "moe_dispatch: the MoE exchange across nodes reads its row counts on the host and cannot be "

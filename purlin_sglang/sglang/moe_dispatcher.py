@@ -221,7 +221,7 @@ class PurlinMoEDispatcher(BaseDispatcher):
                               f"shards of up to {largest} tokens, {excess}; raise it in --purlin-config")
         wire = self.wire_dtype if self.wire_dtype is torch.float8_e4m3fn else None
         d = self.comm.moe_dispatch(x.contiguous(), ids.contiguous(), weights.contiguous(),
-                                   num_experts=self.num_experts, capacity=capacity, dtype=wire)
+                                   num_experts=self.num_experts, capacity=capacity, dtype=wire, max_tokens=largest)
         self._served("moe_dispatch")
         rows = d.x
         if d.scales is not None:  # FP8 on the wire: the experts get the hidden states' dtype

@@ -215,7 +215,8 @@ class PurlinPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                               "or lower --max-num-batched-tokens")
         capacity = default_capacity(self.settings) if self.fixed_rows(a1.device) else None
         d = self.comm.moe_dispatch(a1[lo:hi].contiguous(), topk_ids[lo:hi].contiguous(),
-                                   weights[lo:hi].contiguous(), num_experts=self.num_experts, capacity=capacity)
+                                   weights[lo:hi].contiguous(), num_experts=self.num_experts, capacity=capacity,
+                                   max_tokens=largest)
         self._count("moe_dispatch")
         self._pending = _Pending(d, tokens, lo, hi)
         ids = torch.where(d.expert < 0, self.pad_expert, d.expert + self.offset).to(topk_ids.dtype).view(-1, 1)

@@ -20,11 +20,14 @@ CFG = {"staging_bytes": 1 << 20, "timeout_s": 10, "moe": {"max_tokens_per_rank":
 H = 64
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["one_pass", "slots"])
+@pytest.fixture(autouse=True, params=[(True, 0), (False, 0), (True, 32), (False, 32)],
+                ids=["one_pass", "slots", "decode", "decode_slots"])
 def _mode(request, monkeypatch):
-    """Every test in both modes of virtual ranks: rows straight into the receivers' outputs (moe.one_pass, the
-    default) and the receive-slot path that ranks in separate processes take."""
-    monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "one_pass": request.param})
+    """Every test in each mode of virtual ranks: rows straight into the receivers' outputs (moe.one_pass, the
+    default) and the receive-slot path that ranks in separate processes take, each without and with the
+    decode mode (moe.decode_tokens 32: every call of up to 32 tokens a rank moves packets)."""
+    one_pass, decode = request.param
+    monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "one_pass": one_pass, "decode_tokens": decode})
 
 
 def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):
@@ -249,3 +252,73 @@ def test_bad_combine_on_one_rank_ends_every_ranks_combine():
     assert "expected" in res[1][0] and "rank 1 rejected its arguments" in res[0][0], (res[0][0], res[1][0])
     assert max(r[1] for r in res) < CFG["timeout_s"] / 2
     check_results([r[2] for r in res], xs, ids, ws, experts)
+
+
+def _captured_pairs(world, xs, ids, ws, experts, cfg, max_tokens=None, replays=2):
+    """Each rank: an eager warm-up pair, then dispatch -> experts -> combine captured once with
+    ``max_tokens`` and replayed (outputs poisoned first). Returns each rank's results and its error (or
+    None) of the replays."""
+    barrier = threading.Barrier(world)
+    one_capture = threading.Lock()
+
+    def fn(comm):
+        r, dev = comm.rank, comm.device
+        x, i, w = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
+        d = comm.moe_dispatch(x, i, w, num_experts=experts, capacity=6)
+        comm.moe_combine(d.x.clone(), d)
+        comm.synchronize()
+        barrier.wait()
+        g = torch.cuda.CUDAGraph()
+        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
+                                                           capture_error_mode="thread_local"):
+            d = comm.moe_dispatch(x, i, w, num_experts=experts, capacity=6, max_tokens=max_tokens)
+            out = expert_fn(d.x, d.expert, d.scales, x.dtype)
+            y = comm.moe_combine(out, d)
+        barrier.wait()
+        results, error = [], None
+        for _ in range(replays):
+            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
+                t.view(torch.uint8).fill_(0xFF)
+            g.replay()
+            try:
+                comm.synchronize()
+            except ps.PurlinError as e:
+                error = e
+                break
+            results.append({k: v.cpu() for k, v in dict(x=d.x, expert=d.expert, counts=d.counts,
+                                                          src_rank=d.src_rank, src_slot=d.src_slot, out=out,
+                                                          y=y).items()})
+        barrier.wait()
+        return results, error, comm.moe_trace() if error is None else None
+
+    return ps.run_virtual(world, fn, device="cuda", config=cfg)
+
+
+def test_captured_calls_take_one_mode_from_max_tokens():
+    """Ranks of 2 and 6 tokens, moe.decode_tokens 4: captured with max_tokens=6 on every rank, both take the
+    normal mode; with decode_tokens 8, both the decode mode (its trace phases); correct either way."""
+    world, experts = 2, 4
+    xs, ids, ws = make_case(world, experts, 2, H, torch.bfloat16, 91, max_tokens=6, fixed_tokens=True)
+    xs[0], ids[0], ws[0] = xs[0][:2], ids[0][:2], ws[0][:2]
+    for limit, phase in ((4, "counts_in" if CFG["moe"]["one_pass"] else "wait"), (8, "headers_in")):
+        cfg = {**CFG, "moe": {**CFG["moe"], "decode_tokens": limit, "trace": True}}
+        res = _captured_pairs(world, xs, ids, ws, experts, cfg, max_tokens=6)
+        for results, error, trace in res:
+            assert error is None, error
+            assert phase in trace["dispatch"], trace
+        for i in range(2):
+            check_results([res[r][0][i] for r in range(world)], xs, ids, ws, experts, capacity=6)
+
+
+def test_ranks_in_different_modes_raise_not_hang():
+    """Captured without max_tokens, a rank of 2 tokens takes the decode mode (moe.decode_tokens 4) and one of
+    6 the normal mode: the decode rank records the mismatch at once, naming both modes; the other rank times
+    out (timeout_s 2); neither hangs."""
+    world, experts = 2, 4
+    xs, ids, ws = make_case(world, experts, 2, H, torch.bfloat16, 93, max_tokens=6, fixed_tokens=True)
+    xs[0], ids[0], ws[0] = xs[0][:2], ids[0][:2], ws[0][:2]
+    cfg = {**CFG, "timeout_s": 2, "moe": {**CFG["moe"], "decode_tokens": 4}}
+    res = _captured_pairs(world, xs, ids, ws, experts, cfg, replays=1)
+    e0, e1 = res[0][1], res[1][1]
+    assert isinstance(e0, ps.PurlinMismatchError) and "decode mode" in str(e0), e0
+    assert isinstance(e1, (ps.PurlinTimeoutError, ps.PurlinMismatchError)), e1

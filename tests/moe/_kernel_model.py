@@ -2,7 +2,8 @@
 
 It reads the SAME PurlinMoeParams the CUDA engine fills (purlin_sglang/moe/cuda.py) and
 follows the kernels step by step (put rows, count words, wait, expand, padding; put back, done
-words, wait, reduce; and the one-pass mode's steps) over raw addresses of CPU tensors, so the
+words, wait, reduce; the one-pass mode's steps; the decode mode's packets, 16 bytes each with the
+epoch twice, into the windows the layout names) over raw addresses of CPU tensors, so the
 engine's glue (parameters, layout, modes, errors) and the protocol are checked without a GPU. Each
 rank's "kernel" runs in its rank's thread; waits spin with a timeout like the device's.
 """
@@ -19,6 +20,7 @@ from purlin_sglang.moe.routing import quantize_fp8, route, send_positions
 
 K_DISP_EPOCH, K_COMB_EPOCH, K_FATAL = 0, 1, 6
 REJECT_BIT = 1 << 62
+DECODE_META = 1 << 60  # encoding.h kDecodeMeta
 PTR_WORDS = 16  # native.h PURLIN_MOE_PTR_WORDS
 _DT = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _ESIZE = {1: 2, 2: 2, 3: 4}
@@ -164,9 +166,182 @@ class FakeMoELib:
                 if out_scales is not None:
                     out_scales[r] = 1.0
 
+    # -- the decode mode: flag-in-data packets --------------------------------------------------------
+    @staticmethod
+    def _put_packets(addr, payload, e):
+        """``payload`` (bytes, a multiple of 8) as packets {lo, epoch, hi, epoch} at ``addr``."""
+        pay = np.frombuffer(bytes(payload), dtype=np.uint32).reshape(-1, 2)
+        words = np.empty((len(pay), 4), dtype=np.uint32)
+        words[:, 0], words[:, 2] = pay[:, 0], pay[:, 1]
+        words[:, 1] = words[:, 3] = e & 0xFFFFFFFF
+        ctypes.memmove(addr, words.ctypes.data, words.nbytes)
+
+    def _take_packets(self, p, addr, n, e, kind, peer, other=None):
+        """Wait until the ``n`` packets at ``addr`` carry epoch ``e``; their payload bytes, or None (a
+        timeout recorded, or a fatal error). ``other``: the peer's count word here; its epoch ``e`` says
+        the peer took the other mode (a MISMATCH, fatal)."""
+        t0 = time.monotonic()
+        while True:
+            w = arr(ctypes.c_uint32, addr, 4 * n).reshape(n, 4).copy()
+            if ((w[:, 1] == (e & 0xFFFFFFFF)) & (w[:, 3] == (e & 0xFFFFFFFF))).all():
+                return w[:, [0, 2]].copy().tobytes()
+            if i64(p.bases[p.rank] + p.state_off, 16)[K_FATAL]:
+                return None
+            if other is not None and int(i64(other)[0]) == e:
+                self._record(p, 4, kind, peer, -1, int(i64(other, 3)[2]), self._meta(p) | DECODE_META, e, 0, True)
+                return None
+            if time.monotonic() - t0 > self.timeout_s:
+                self._record(p, 1, kind, peer, -1, 0, 0, e, int(w[0, 1]), True)
+                return None
+            time.sleep(0)
+
+    @staticmethod
+    def _dwin(p, owner, par, producer):
+        return p.bases[owner] + p.win_off + (par * p.world + producer) * p.win_bytes
+
+    @staticmethod
+    def _rwin(p, owner, par):
+        return p.bases[owner] + p.rwin_off + par * p.rwin_parity_bytes
+
+    def _dispatch_decode(self, p):
+        """The decode mode (moe_kernel.cuh): header and token slots as packets into every receiver's
+        window for me, then mine polled and expanded."""
+        self.launches.append(("dispatch-decode", p.blocks))
+        w_, k_, l_, cap, me, t_n = p.world, p.topk, p.local, p.capacity, p.rank, p.tokens
+        assert t_n <= p.decode_tokens and 2 * p.count_bytes + p.decode_tokens * 2 * p.slot_bytes <= p.win_bytes
+        assert p.win_off + 2 * w_ * p.win_bytes <= p.rwin_off
+        begun = self._begin(p, K_DISP_EPOCH)
+        if begun is None:
+            return 0
+        st, e, par = begun
+        ids, r = self._route(p)
+        dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
+        if t_n:
+            ref = i64(p.out_ref, t_n * k_)
+            for i in range(t_n * k_):
+                ref[i] = int(dst[i]) << 32 | int(j[i]) if dst[i] >= 0 else -1
+        x, scales = self._wire_rows(p, t_n)
+        counts, tokens_to = r.counts.numpy(), r.tokens_to.numpy()
+        meta = self._meta(p) | DECODE_META
+        hp = (4 + l_ + 1) // 2
+        for d in range(w_):
+            words = np.zeros(2 * hp, dtype=np.int64)
+            words[:4] = (tokens_to[d], 0, meta & 0xFFFFFFFF, meta >> 32)
+            words[4:4 + l_] = counts[d * l_:(d + 1) * l_]
+            self._put_packets(self._dwin(p, d, par, me), words.astype(np.uint32).tobytes(), e)
+        send_pos = send_positions(r.to_rank).reshape(-1).numpy()
+        for t in range(t_n):
+            for d in range(w_):
+                pos = int(send_pos[t * w_ + d])
+                if pos < 0:
+                    continue
+                h = np.zeros(p.hdr_bytes // 4, dtype=np.int32)
+                h[0] = t
+                h[1 + 2 * k_] = np.float32(float(scales[t]) if scales is not None else 1.0).view(np.int32)
+                for k in range(k_):
+                    mine = dst[t * k_ + k] == d
+                    h[1 + k] = le[t * k_ + k] if mine else -1
+                    h[1 + k_ + k] = j[t * k_ + k] if mine else -1
+                row = x[t * p.payload_bytes:(t + 1) * p.payload_bytes].tobytes()
+                self._put_packets(self._dwin(p, d, par, me) + 2 * p.count_bytes + pos * 2 * p.slot_bytes,
+                                  h.tobytes() + row, e)
+        heads = [self._take_packets(p, self._dwin(p, me, par, q), hp, e, 2, q, self._cw(p, me, par, q))
+                 for q in range(w_)]
+        ok = all(h is not None for h in heads)
+        if ok:
+            hw = [np.frombuffer(h, dtype=np.int32) for h in heads]
+            for q in range(w_):
+                seen = int(np.uint32(hw[q][2])) | int(hw[q][3]) << 32
+                if seen != meta or hw[q][0] > p.decode_tokens:
+                    self._record(p, 4, 0, q, -1, seen, meta, e, int(hw[q][0]), True)
+                    ok = False
+                    break
+        if ok:
+            cnt = np.stack([hw[q][4:4 + l_] for q in range(w_)]).astype(np.int64)
+            off = np.cumsum(np.minimum(cnt, cap), 0) - np.minimum(cnt, cap)
+            self._pad(p, self._receive_counts(p, cnt, ids, e))
+            rows = l_ * w_ * cap
+            out_expert, out_src = i32(p.out_expert, rows), i32(p.out_src, rows)
+            out_slot = i64(p.out_slot, rows)
+            out_scales = f32(p.out_scales, rows) if p.out_scales else None
+            for q in range(w_):
+                for i in range(int(hw[q][0])):
+                    slot = self._dwin(p, me, par, q) + 2 * p.count_bytes + i * 2 * p.slot_bytes
+                    data = self._take_packets(p, slot, p.slot_bytes // 8, e, 2, q)
+                    if data is None:
+                        break
+                    h = np.frombuffer(data[:p.hdr_bytes], dtype=np.int32)
+                    payload = np.frombuffer(data[p.hdr_bytes:], dtype=np.uint8)
+                    for k in range(k_):
+                        lev, jj = int(h[1 + k]), int(h[1 + k_ + k])
+                        if lev < 0 or jj >= cap:
+                            continue
+                        row = lev * w_ * cap + int(off[q, lev]) + jj
+                        ctypes.memmove(p.out_x + row * p.payload_bytes, payload.ctypes.data, p.payload_bytes)
+                        out_expert[row], out_src[row], out_slot[row] = lev, q, int(h[0]) * k_ + k
+                        if out_scales is not None:
+                            out_scales[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
+        st[K_DISP_EPOCH] = e
+        return 0
+
+    def _combine_decode(self, p):
+        """The decode combine: a header packet to every rank, each valid row back as packets into slot
+        t * K + k of its source's return window; then every header polled and my slots reduced."""
+        self.launches.append(("combine-decode", p.blocks))
+        w_, k_, me, cap = p.world, p.topk, p.rank, p.capacity
+        head = -(-16 * w_ // 128) * 128
+        assert head + p.decode_tokens * k_ * 2 * p.ret_bytes <= p.rwin_parity_bytes
+        begun = self._begin(p, K_COMB_EPOCH)
+        if begun is None:
+            return 0
+        st, e, par = begun
+        for q in range(w_):
+            self._put_packets(self._rwin(p, q, par) + 16 * me, np.array([p.reject, cap], dtype=np.uint32).tobytes(), e)
+        if not p.reject:
+            counts = i32(p.row_counts, p.local)
+            rows = p.local * w_ * cap
+            src, slot = i32(p.row_src, rows), i64(p.row_slot, rows)
+            for lev in range(p.local):
+                for i in range(int(counts[lev])):
+                    row = lev * w_ * cap + i
+                    raw = bytes((ctypes.c_char * p.ret_bytes).from_address(p.expert_out + row * p.ret_bytes))
+                    self._put_packets(self._rwin(p, int(src[row]), par) + head + int(slot[row]) * 2 * p.ret_bytes, raw, e)
+        ok, caps = True, [0] * w_
+        for q in range(w_):
+            h = self._take_packets(p, self._rwin(p, me, par) + 16 * q, 1, e, 3, q)
+            if h is None:
+                ok = False
+                continue
+            rejected, caps[q] = (int(v) for v in np.frombuffer(h, dtype=np.uint32))
+            if q != me and rejected:
+                self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
+                ok = False
+        if ok and not p.reject and p.tokens:
+            dt = _DT[p.dtype]
+            n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
+            ref = i64(p.row_ref, p.tokens * k_)
+            w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
+            acc = torch.zeros(p.tokens, n, dtype=torch.float32)
+            for t in range(p.tokens):
+                for k in range(k_):
+                    rf = int(ref[t * k_ + k])
+                    if rf < 0 or (rf & 0xFFFFFFFF) >= caps[rf >> 32]:
+                        continue  # not routed, or over its receiver's capacity: not delivered
+                    data = self._take_packets(p, self._rwin(p, me, par) + head + (t * k_ + k) * 2 * p.ret_bytes,
+                                              p.ret_bytes // 8, e, 3, rf >> 32)
+                    if data is None:
+                        break
+                    acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(data), dtype=dt).to(torch.float32)
+            out = acc.to(dt).contiguous().view(torch.uint8).numpy()
+            ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+        st[K_COMB_EPOCH] = e
+        return 0
+
     # -- dispatch -------------------------------------------------------------------------------------
     def moe_dispatch(self, pref, stream):
         p = pref._obj
+        if p.decode:
+            return self._dispatch_decode(p)
         if p.one_pass:
             return self._dispatch_one_pass(p)
         self.launches.append(("dispatch", p.blocks))
@@ -322,6 +497,8 @@ class FakeMoELib:
     # -- combine --------------------------------------------------------------------------------------
     def moe_combine(self, pref, stream):
         p = pref._obj
+        if p.decode:
+            return self._combine_decode(p)
         if p.one_pass:
             return self._combine_one_pass(p)
         self.launches.append(("combine", p.blocks))

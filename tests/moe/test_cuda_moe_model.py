@@ -66,13 +66,18 @@ def _moe(ctx, lib):
     return m
 
 
-@pytest.fixture(params=[True, False], ids=["one_pass", "slots"])
+@pytest.fixture(params=[(True, 0), (False, 0), (True, 32), (False, 32)],
+                ids=["one_pass", "slots", "decode", "decode_slots"])
 def world_of(monkeypatch, request):
-    """Virtual ranks over the kernel model, in the one-pass mode and on the receive-slot path."""
+    """Virtual ranks over the kernel model, in the one-pass mode and on the receive-slot path, each without
+    and with the decode mode (moe.decode_tokens 32: calls of up to 32 tokens a rank move packets)."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    one_pass, decode = request.param
 
-    def run(world, fn, max_tokens=16):
-        cfg = ps.PurlinConfig(timeout_s=5, moe={"max_tokens_per_rank": max_tokens, "one_pass": request.param})
+    def run(world, fn, max_tokens=16, decode_tokens=None):
+        moe = {"max_tokens_per_rank": max_tokens, "one_pass": one_pass,
+               "decode_tokens": decode if decode_tokens is None else decode_tokens}
+        cfg = ps.PurlinConfig(timeout_s=5, moe=moe)
         lib, group, regions = FakeMoELib(5.0), _Group(world), SharedRegions()
         moes = [_moe(_context(r, world, group, regions, cfg), lib) for r in range(world)]
         out, errs = [None] * world, [None] * world
@@ -91,14 +96,15 @@ def world_of(monkeypatch, request):
             if e is not None:
                 raise e
         return out, lib
-    run.one_pass = request.param
+    run.one_pass, run.decode = one_pass, decode
     return run
 
 
-def _call(m, xs, ids, ws, experts, capacity=None, qdtype=None, capturing=False):
+def _call(m, xs, ids, ws, experts, capacity=None, qdtype=None, capturing=False, max_tokens=None):
     r = m.rank
-    quant = check_dispatch(xs[r], ids[r], ws[r], experts, capacity, qdtype, m.world, m.device, check_values=False)
-    d = m.dispatch(xs[r], ids[r], ws[r], experts, capacity, quant, capturing)
+    quant = check_dispatch(xs[r], ids[r], ws[r], experts, capacity, qdtype, m.world, m.device, check_values=False,
+                           max_tokens=max_tokens)
+    d = m.dispatch(xs[r], ids[r], ws[r], experts, capacity, quant, capturing, max_tokens=max_tokens)
     out = expert_fn(d.x, d.expert, d.scales, xs[r].dtype)
     y = m.combine(out, d)
     m.synchronize()
@@ -114,7 +120,10 @@ def test_eager_exact(world_of, world, experts, topk, dtype):
     check_results(res, xs, ids, ws, experts)
     assert {b for _, b in lib.launches} == {16}
     kinds = {k for k, _ in lib.launches}  # the mode the fixture asked for, and only it
-    assert kinds == ({"dispatch-one-pass", "combine-one-pass"} if world_of.one_pass else {"dispatch", "combine"})
+    if world_of.decode:
+        assert kinds == {"dispatch-decode", "combine-decode"}
+    else:
+        assert kinds == ({"dispatch-one-pass", "combine-one-pass"} if world_of.one_pass else {"dispatch", "combine"})
 
 
 @pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])
@@ -266,3 +275,63 @@ def test_moe_trace_is_none_on_the_cpu_engine_and_after_close():
     comm.close()
     with pytest.raises(ps.PurlinError, match="moe_trace"):
         comm.moe_trace()
+
+
+def _two_and_six_tokens(seed):
+    """Rank 0 dispatches 2 tokens, rank 1 six (4 experts, top-2)."""
+    xs, ids, ws = make_case(2, 4, 2, H, torch.bfloat16, seed, max_tokens=6, fixed_tokens=True)
+    xs[0], ids[0], ws[0] = xs[0][:2], ids[0][:2], ws[0][:2]
+    return xs, ids, ws
+
+
+@pytest.mark.parametrize("limit", [4, 8])
+def test_every_rank_takes_the_same_mode(world_of, limit):
+    """Ranks of 2 and 6 tokens: eager calls decide from the exchanged counts and captured calls from
+    max_tokens, so both ranks take the decode mode where 6 <= moe.decode_tokens and neither where not;
+    correct either way."""
+    xs, ids, ws = _two_and_six_tokens(95)
+
+    def fn(m):
+        eager = _call(m, xs, ids, ws, 4, capacity=6)
+        captured = _call(m, xs, ids, ws, 4, capacity=6, capturing=True, max_tokens=6)
+        return eager, captured
+
+    res, lib = world_of(2, fn, decode_tokens=limit)
+    for i in range(2):
+        check_results([r[i] for r in res], xs, ids, ws, 4, capacity=6)
+    kinds = {k.split("-", 1)[1] if "-" in k else "" for k, _ in lib.launches}
+    assert kinds == ({"decode"} if limit == 8 else {"one-pass"} if world_of.one_pass else {""})
+
+
+def test_ranks_in_different_modes_raise_a_mismatch_not_a_hang(world_of):
+    """Captured without max_tokens, the 2-token rank takes the decode mode (moe.decode_tokens 4), the
+    6-token rank the normal one: the decode rank records a MISMATCH naming both modes (fatal), the other
+    rank's wait times out; both communicators are broken, nothing hangs."""
+    xs, ids, ws = _two_and_six_tokens(97)
+
+    def fn(m):
+        _call(m, xs, ids, ws, 4, capacity=6)
+        with pytest.raises(ps.PurlinError) as e:
+            _call(m, xs, ids, ws, 4, capacity=6, capturing=True)
+        return e.value
+
+    (e0, e1), _ = world_of(2, fn, decode_tokens=4)
+    assert isinstance(e0, ps.PurlinMismatchError) and "rank 0 the decode mode" in str(e0), e0
+    assert isinstance(e1, ps.PurlinTimeoutError) and "rank 0" in str(e1), e1
+
+
+def test_decode_windows_are_in_the_layout_and_within_the_footprint():
+    """The decode windows follow the receive and return areas, hold D tokens a producer (packets: twice
+    the bytes) and D * K return rows, and add about 7 MiB at the decode shape (the region stays under
+    64 MiB a rank at moe.max_tokens_per_rank 128)."""
+    from purlin_sglang.moe.region import MoELayout, header_bytes
+
+    lay = MoELayout(8, 128, 8, 7168 * 2, 7168 * 2, decode_tokens=8)
+    off = MoELayout(8, 128, 8, 7168 * 2, 7168 * 2)
+    assert lay.win_off >= off.ret_off + 2 * off.ret_parity_bytes and lay.rwin_off >= lay.win_off + 16 * lay.win_bytes
+    assert lay.win_bytes >= 2 * lay.count_bytes + 8 * 2 * (header_bytes(8) + 7168 * 2)
+    assert lay.rwin_parity_bytes >= 128 + 8 * 8 * 2 * 7168 * 2
+    extra = lay.rank_bytes - off.rank_bytes
+    assert 6.5 * 2**20 < extra < 7.5 * 2**20 and lay.rank_bytes < 64 * 2**20
+    assert lay.decode_fits(8, 7168 * 2, 7168 * 2) and not lay.decode_fits(9, 7168 * 2, 7168 * 2)
+    assert not lay.decode_fits(8, 7168 * 2, 7168 * 4) and not off.decode_fits(8, 16, 16)

@@ -66,5 +66,7 @@ enum ErrorCode : int { kTimeout = 1, kOverflow = 2, kBadIds = 3, kMismatch = 4, 
 // A combine done word of a rank that rejected its own arguments (it put nothing back): the epoch with this
 // bit set. Waits compare the epoch below it; a peer that sees the bit records kRejected and skips its reduce.
 constexpr long long kRejectBit = 1ll << 62;
+// In a decode-mode header's meta word (moe_kernel.cuh, "decode mode"): its producer runs the decode mode.
+constexpr long long kDecodeMeta = 1ll << 60;
 
 }  // namespace purlin::moe

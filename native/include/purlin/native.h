@@ -204,6 +204,13 @@ typedef struct PurlinMoeParams {
   long long ddone_off;                 // dispatch delivered words [world producers] (8 bytes each; one pass)
   long long* out_ref;                  // dispatch, one pass: [T, K] (receiver << 32 | row there), -1: none
   const long long* row_ref;            // combine, one pass: the dispatch's out_ref
+  // Decode mode (ABI 14): one round of flag-in-data packets an op, for a few tokens a rank (moe_kernel.cuh,
+  // "decode mode"); in either of the modes above. out_ref / row_ref then hold each slot's receiver (-1: none).
+  long long decode;                    // 1: this call runs in decode mode (every rank of the call alike)
+  long long decode_tokens;             // the token slots of a decode window (tokens <= decode_tokens)
+  long long win_off, win_bytes;        // dispatch windows [2 parities][world producers] x win_bytes
+  long long rwin_off, rwin_parity_bytes;  // return windows [2][decode_tokens * topk] packet rows + headers
+  const int* row_counts;               // combine, decode: the dispatch's out_counts (valid rows per expert)
 } PurlinMoeParams;
 // Enqueue one rank's dispatch / combine on `stream` (asynchronous; safe under CUDA graph capture: one
 // launch, no host sync, no allocation). Waits are bounded by timeout_ns; a timeout, a capacity overflow,
