@@ -95,6 +95,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results directory (default ./bench-results/moe-<timestamp>)")
 
 
+def cuda_path(args: argparse.Namespace, tokens: int) -> str:
+    """Which CUDA MoE kernels a call of ``tokens`` tokens a rank runs (every rank of the bench has as many):
+    ``decode`` (at most moe.decode_tokens), else ``one-pass`` or ``slots`` (moe.one_pass)."""
+    limit = args.decode_tokens if args.decode_tokens is not None else MoESettings().decode_tokens
+    if limit and tokens <= limit:
+        return "decode"
+    return "one-pass" if args.one_pass == "on" else "slots"
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the device-dependent defaults and validate; raises ValueError naming the option."""
     gpu = torch.cuda.is_available()
@@ -295,6 +304,8 @@ def make_rows(args, tokens: int, dtype_name: str, run: dict, floor: dict | None)
         if impl == "purlin":
             row["err_over_bound"] = max(pr["ratio"] for pr in ranks)
             row["bitwise_vs_reference"] = bitwise
+            if getattr(args, "device", None) == "cuda":  # (make_rows takes any namespace with the row options)
+                row["path"] = cuda_path(args, tokens)
         if nbytes is not None and med > 0:
             row["GBps"] = nbytes / med / 1e9
             if floor is not None:

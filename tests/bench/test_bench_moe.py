@@ -100,3 +100,16 @@ def test_rows_against_a_copy_ceiling():
     assert by_op["pair"]["over_ceiling_us"] == pytest.approx(40.0 - by_op["pair"]["ceiling_us"])
     assert by_op["pair"]["moe_hbm_bytes"] == 1 << 19 and by_op["pair"]["capacity"] == 16
     assert by_op["pair"]["bitwise_vs_reference"] is None  # no eager results to compare
+
+
+def test_cuda_rows_name_the_kernels_that_ran():
+    """A row's ``path``: the decode kernels up to moe.decode_tokens (the default, or --decode-tokens), else
+    the one-pass or receive-slot kernels."""
+    import argparse
+
+    def args(decode, one_pass="on"):
+        return argparse.Namespace(decode_tokens=decode, one_pass=one_pass)
+
+    assert moe.cuda_path(args(None), 1) == "decode" and moe.cuda_path(args(None), 9) == "one-pass"
+    assert moe.cuda_path(args(0), 1) == "one-pass" and moe.cuda_path(args(0, "off"), 1) == "slots"
+    assert moe.cuda_path(args(16, "off"), 16) == "decode" and moe.cuda_path(args(16, "off"), 17) == "slots"
