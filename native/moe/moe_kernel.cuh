@@ -675,6 +675,47 @@ __device__ inline void put_rows(const PurlinMoeParams& p, DispatchShared& s, int
   }
 }
 
+// Every block, once the received counts are in s.cnt[q * L + le] and each producer's tokens in s.tstart[q + 1]
+// (the receive-slot and decode dispatches): s.pre becomes the offset of each producer in each of my groups
+// and s.tstart the producers' first received token; block 0 records overflows and writes out_counts.
+__device__ inline void received_offsets(const PurlinMoeParams& p, DispatchShared& s, long long e) {
+  const int tid = threadIdx.x;
+  const long long W = p.world, L = p.local, cap = p.capacity;
+  for (long long le = tid; le < L; le += blockDim.x) {
+    int acc = 0;
+    for (long long q = 0; q < W; ++q) {
+      s.pre[q * L + le] = acc;
+      acc += min(s.cnt[q * L + le], int(cap));
+    }
+  }
+  if (tid == 0) {
+    s.tstart[0] = 0;
+    for (long long q = 0; q < W; ++q) s.tstart[q + 1] += s.tstart[q];
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (tid < 32) record_counts(p, s.cnt, cap, e, s.nbad);
+    for (long long le = tid; le < L; le += blockDim.x) {
+      p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
+    }
+  }
+}
+
+// The padding rows of my groups (past each group's received rows, received_offsets): expert, source and slot
+// -1, scale 1; spread over the grid.
+__device__ inline void pad_rows(const PurlinMoeParams& p, const DispatchShared& s) {
+  const long long W = p.world, L = p.local, cap = p.capacity, rows = L * W * cap;
+  for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x) {
+    const long long le = r / (W * cap), pos = r % (W * cap);
+    if (pos >= s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap))) {
+      p.out_expert[r] = -1;
+      p.out_src[r] = -1;
+      p.out_slot[r] = -1;
+      if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
+    }
+  }
+}
+
 // ---- dispatch: expand ----------------------------------------------------------------------------------
 
 // Warp: units [u0, u1) of a received token of producer q (that part of its slot read once) to one row per k
@@ -751,7 +792,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   if (!dispatch_begins(p, s)) return;
   const long long e = s.e;
   const int par = int(e & 1);
-  const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
+  const long long W = p.world, L = p.local, E = W * L;
   // route + put rows: this block's tokens
   const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
   route_counts(p, s, t0, E);
@@ -787,24 +828,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     __syncthreads();
   }
   if (!s.fail && !s.bad) {
-    for (long long le = tid; le < L; le += blockDim.x) {  // pre becomes the offset of each source in a group
-      int acc = 0;
-      for (long long q = 0; q < W; ++q) {
-        s.pre[q * L + le] = acc;
-        acc += min(s.cnt[q * L + le], int(cap));
-      }
-    }
-    if (tid == 0) {
-      s.tstart[0] = 0;
-      for (long long q = 0; q < W; ++q) s.tstart[q + 1] += s.tstart[q];
-    }
-    __syncthreads();
-    if (blockIdx.x == 0) {
-      if (tid < 32) record_counts(p, s.cnt, cap, e, s.nbad);
-      for (long long le = tid; le < L; le += blockDim.x) {
-        p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
-      }
-    }
+    received_offsets(p, s, e);
     // expand: (received token, part of its row) per warp; a row is split into parts (at least 32 units,
     // 512 bytes, each) when there are fewer received tokens than warps in the grid (decode: a few tokens)
     const long long n_recv = s.tstart[W];
@@ -820,17 +844,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
     }
     if (p.trace != nullptr) __syncthreads();  // the stamp: every warp of block 0 done
     stamp(p, 0, 4);
-    // padding rows: expert -1
-    const long long rows = L * W * cap;
-    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
-      const long long le = r / (W * cap), pos = r % (W * cap);
-      if (pos >= s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap))) {
-        p.out_expert[r] = -1;
-        p.out_src[r] = -1;
-        p.out_slot[r] = -1;
-        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
-      }
-    }
+    pad_rows(p, s);
   }
   if (p.trace != nullptr) __syncthreads();
   stamp(p, 0, 5);
@@ -1461,34 +1475,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
   __syncthreads();
   stamp(p, 0, 2);
   if (!s.fail && !s.bad) {
-    for (long long le = tid; le < L; le += blockDim.x) {  // pre: the offset of each source in a group
-      int acc = 0;
-      for (long long q = 0; q < W; ++q) {
-        s.pre[q * L + le] = acc;
-        acc += min(s.cnt[q * L + le], int(cap));
-      }
-    }
-    if (tid == 0) {
-      s.tstart[0] = 0;
-      for (long long q = 0; q < W; ++q) s.tstart[q + 1] += s.tstart[q];
-    }
-    __syncthreads();
-    if (blockIdx.x == 0) {
-      if (tid < 32) record_counts(p, s.cnt, cap, e, s.nbad);
-      for (long long le = tid; le < L; le += blockDim.x) {
-        p.out_counts[le] = s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap));
-      }
-    }
-    const long long rows = L * W * cap;  // padding rows: expert -1
-    for (long long r = (long long)blockIdx.x * blockDim.x + tid; r < rows; r += (long long)gridDim.x * blockDim.x) {
-      const long long le = r / (W * cap), pos = r % (W * cap);
-      if (pos >= s.pre[(W - 1) * L + le] + min(s.cnt[(W - 1) * L + le], int(cap))) {
-        p.out_expert[r] = -1;
-        p.out_src[r] = -1;
-        p.out_slot[r] = -1;
-        if (p.out_scales != nullptr) p.out_scales[r] = 1.0f;
-      }
-    }
+    received_offsets(p, s, e);
+    pad_rows(p, s);
     stamp(p, 0, 3);
     // expand: (received token, part of its row) per warp, each packet polled where it landed
     const long long n_recv = s.tstart[W];

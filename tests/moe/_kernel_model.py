@@ -166,6 +166,38 @@ class FakeMoELib:
                 if out_scales is not None:
                     out_scales[r] = 1.0
 
+    # -- a token's receive slot, shared by the receive-slot and decode paths ---------------------------
+    @staticmethod
+    def _slot_header(p, t, d, dst, le, j, scales):
+        """Token t's slot header for destination d: [t, local expert per k, j per k, scale bits] (-1 for
+        the slots that are not d's), padded to hdr_bytes."""
+        k_ = p.topk
+        h = np.zeros(p.hdr_bytes // 4, dtype=np.int32)
+        h[0] = t
+        h[1 + 2 * k_] = np.float32(float(scales[t]) if scales is not None else 1.0).view(np.int32)
+        for k in range(k_):
+            mine = dst[t * k_ + k] == d
+            h[1 + k] = le[t * k_ + k] if mine else -1
+            h[1 + k_ + k] = j[t * k_ + k] if mine else -1
+        return h
+
+    @staticmethod
+    def _expand_slot(p, q, h, payload_addr, off):
+        """Producer q's received slot (header ``h``, payload at ``payload_addr``) to one row per k routed
+        here under capacity, with its expert, source, slot and scale."""
+        w_, k_, cap = p.world, p.topk, p.capacity
+        rows = p.local * w_ * cap
+        for k in range(k_):
+            lev, jj = int(h[1 + k]), int(h[1 + k_ + k])
+            if lev < 0 or jj >= cap:
+                continue
+            row = lev * w_ * cap + int(off[q, lev]) + jj
+            ctypes.memmove(p.out_x + row * p.payload_bytes, payload_addr, p.payload_bytes)
+            i32(p.out_expert, rows)[row], i32(p.out_src, rows)[row] = lev, q
+            i64(p.out_slot, rows)[row] = int(h[0]) * k_ + k
+            if p.out_scales:
+                f32(p.out_scales, rows)[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
+
     # -- the decode mode: flag-in-data packets --------------------------------------------------------
     @staticmethod
     def _put_packets(addr, payload, e):
@@ -235,13 +267,7 @@ class FakeMoELib:
                 pos = int(send_pos[t * w_ + d])
                 if pos < 0:
                     continue
-                h = np.zeros(p.hdr_bytes // 4, dtype=np.int32)
-                h[0] = t
-                h[1 + 2 * k_] = np.float32(float(scales[t]) if scales is not None else 1.0).view(np.int32)
-                for k in range(k_):
-                    mine = dst[t * k_ + k] == d
-                    h[1 + k] = le[t * k_ + k] if mine else -1
-                    h[1 + k_ + k] = j[t * k_ + k] if mine else -1
+                h = self._slot_header(p, t, d, dst, le, j, scales)
                 row = x[t * p.payload_bytes:(t + 1) * p.payload_bytes].tobytes()
                 self._put_packets(self._dwin(p, d, par, me) + 2 * p.count_bytes + pos * 2 * p.slot_bytes,
                                   h.tobytes() + row, e)
@@ -260,27 +286,14 @@ class FakeMoELib:
             cnt = np.stack([hw[q][4:4 + l_] for q in range(w_)]).astype(np.int64)
             off = np.cumsum(np.minimum(cnt, cap), 0) - np.minimum(cnt, cap)
             self._pad(p, self._receive_counts(p, cnt, ids, e))
-            rows = l_ * w_ * cap
-            out_expert, out_src = i32(p.out_expert, rows), i32(p.out_src, rows)
-            out_slot = i64(p.out_slot, rows)
-            out_scales = f32(p.out_scales, rows) if p.out_scales else None
             for q in range(w_):
                 for i in range(int(hw[q][0])):
                     slot = self._dwin(p, me, par, q) + 2 * p.count_bytes + i * 2 * p.slot_bytes
                     data = self._take_packets(p, slot, p.slot_bytes // 8, e, 2, q)
                     if data is None:
                         break
-                    h = np.frombuffer(data[:p.hdr_bytes], dtype=np.int32)
                     payload = np.frombuffer(data[p.hdr_bytes:], dtype=np.uint8)
-                    for k in range(k_):
-                        lev, jj = int(h[1 + k]), int(h[1 + k_ + k])
-                        if lev < 0 or jj >= cap:
-                            continue
-                        row = lev * w_ * cap + int(off[q, lev]) + jj
-                        ctypes.memmove(p.out_x + row * p.payload_bytes, payload.ctypes.data, p.payload_bytes)
-                        out_expert[row], out_src[row], out_slot[row] = lev, q, int(h[0]) * k_ + k
-                        if out_scales is not None:
-                            out_scales[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
+                    self._expand_slot(p, q, np.frombuffer(data[:p.hdr_bytes], dtype=np.int32), payload.ctypes.data, off)
         st[K_DISP_EPOCH] = e
         return 0
 
@@ -360,13 +373,7 @@ class FakeMoELib:
             if pos < 0:
                 continue
             slot = p.bases[d] + p.recv_off + par * p.recv_parity_bytes + (me * p.max_tokens + pos) * p.slot_bytes
-            h = i32(slot, 2 * k_ + 2)
-            h[0] = t
-            h[1 + 2 * k_] = int(np.float32(float(scales[t]) if scales is not None else 1.0).view(np.int32))
-            for k in range(k_):
-                mine = dst[t * k_ + k] == d
-                h[1 + k] = le[t * k_ + k] if mine else -1
-                h[1 + k_ + k] = j[t * k_ + k] if mine else -1
+            i32(slot, p.hdr_bytes // 4)[:] = self._slot_header(p, t, d, dst, le, j, scales)
             ctypes.memmove(slot + p.hdr_bytes, x[t * p.payload_bytes:].ctypes.data, p.payload_bytes)
         self._count_words_out(p, r, par, e)
         for d in range(w_):  # every block adds one (arrive_all)
@@ -380,23 +387,10 @@ class FakeMoELib:
             off = np.cumsum(np.minimum(cnt, cap), 0) - np.minimum(cnt, cap)
             tot = self._receive_counts(p, cnt, ids, e)
             recv = p.bases[me] + p.recv_off + par * p.recv_parity_bytes
-            rows = l_ * w_ * cap
-            out_expert, out_src = i32(p.out_expert, rows), i32(p.out_src, rows)
-            out_slot = i64(p.out_slot, rows)
-            out_scales = f32(p.out_scales, rows) if p.out_scales else None
             for q in range(w_):
                 for i in range(ntok[q]):
                     slot = recv + (q * p.max_tokens + i) * p.slot_bytes
-                    h = i32(slot, 2 * k_ + 2)
-                    for k in range(k_):
-                        lev, jj = int(h[1 + k]), int(h[1 + k_ + k])
-                        if lev < 0 or jj >= cap:
-                            continue
-                        row = lev * w_ * cap + int(off[q, lev]) + jj
-                        ctypes.memmove(p.out_x + row * p.payload_bytes, slot + p.hdr_bytes, p.payload_bytes)
-                        out_expert[row], out_src[row], out_slot[row] = lev, q, int(h[0]) * k_ + k
-                        if out_scales is not None:
-                            out_scales[row] = np.int32(h[1 + 2 * k_]).view(np.float32)
+                    self._expand_slot(p, q, i32(slot, 2 * k_ + 2), slot + p.hdr_bytes, off)
             self._pad(p, tot)
         st[K_DISP_EPOCH] = e
         return 0
