@@ -1298,7 +1298,10 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
 // A window parity is rewritten two calls later, after its writer received its reader's packets of the call
 // between, which the reader sends only once its kernel of the call before ended (stream order): every rank
 // sends every rank a header every call (also when it sends it no rows) and every rank waits for every
-// header, so no acknowledgement exists (the packet collectives' argument).
+// header, so no acknowledgement exists (the packet collectives' argument). Calls of either mode follow
+// each other on one region: block 0 still adds `blocks` to my delivered (dispatch) and done (combine) word
+// in every rank, as the normal kernels' blocks do (arrive_all), and waits for none, so a normal call
+// after decode ones finds those words at e * blocks.
 //
 // dispatch, epoch e, parity e & 1:
 //   route      every block routes every token (route_counts, route_chunk: one chunk); block 0 writes out_valid
@@ -1412,6 +1415,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
   }
   __syncthreads();
   if (blockIdx.x == 0) {
+    // the delivered words count every dispatch, decode ones too: the normal modes wait for e * blocks
+    if (tid < W) sig_add(p, ddone_word(p, tid, p.rank), p.blocks);
     for (long long i = tid; i < T * K; i += blockDim.x) {  // out_ref: the slot's receiver and j
       const long long id = load_id(p, i), j = s.u.route.j[i];
       p.out_ref[i] = id >= 0 && id < E && j >= 0 ? ((id / L) << 32) | j : -1;
@@ -1636,6 +1641,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_decode_kernel
   }
   if (blockIdx.x == 0 && tid < W) {
     snac::st_packet(rwin_header(p, tid, par, p.rank), uint64_t(p.reject) | (uint64_t(cap) << 32), ep);
+    sig_add(p, done_word(p, tid, p.rank), p.blocks);  // the done words count every combine (as ddone above)
   }
   if (!p.reject) {
     // the valid rows: local expert le's first row_counts[le] rows; warp 0 scans their prefix

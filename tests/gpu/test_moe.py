@@ -322,3 +322,64 @@ def test_ranks_in_different_modes_raise_not_hang():
     e0, e1 = res[0][1], res[1][1]
     assert isinstance(e0, ps.PurlinMismatchError) and "decode mode" in str(e0), e0
     assert isinstance(e1, (ps.PurlinTimeoutError, ps.PurlinMismatchError)), e1
+
+
+def test_eager_calls_and_decode_graphs_switch_modes():
+    """moe.decode_tokens 4 on one communicator, as a server uses it: eager calls of 2, 9, 3 and 12 tokens a
+    rank (decode, normal, decode, normal mode), then a captured pair of 3 tokens (decode) replayed with new
+    routings between eager pairs of 10 tokens (normal). Each call correct (outputs poisoned first), none times
+    out: the modes' words stay in step across the switches."""
+    world, experts, topk = 4, 8, 3
+    cfg = {**CFG, "moe": {**CFG["moe"], "decode_tokens": 4, "trace": True}}
+    eager = [make_case(world, experts, topk, H, torch.bfloat16, 150 + s, max_tokens=n, fixed_tokens=True)
+             for s, n in enumerate((2, 9, 3, 12))]
+    small = [make_case(world, experts, topk, H, torch.bfloat16, 160 + s, max_tokens=3, fixed_tokens=True)
+             for s in range(3)]
+    big = [make_case(world, experts, topk, H, torch.bfloat16, 170 + s, max_tokens=10, fixed_tokens=True)
+           for s in range(2)]
+    barrier = threading.Barrier(world)
+    one_capture = threading.Lock()
+
+    def fn(comm):
+        r, dev = comm.rank, comm.device
+        first, modes = [], []
+        for case in eager:
+            first.append(run_rank(comm, *case, experts, barrier=barrier))
+            modes.append("headers_in" in comm.moe_trace()["dispatch"])
+        sx, sid, sw = (t[r].to(dev) for t in small[0])
+        d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=16)  # the captured shape, eagerly
+        comm.moe_combine(d.x.clone(), d)
+        comm.synchronize()
+        barrier.wait()
+        g = torch.cuda.CUDAGraph()
+        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
+                                                           capture_error_mode="thread_local"):
+            d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=16, max_tokens=3)
+            out = expert_fn(d.x, d.expert, d.scales, sx.dtype)
+            y = comm.moe_combine(out, d)
+        barrier.wait()
+        replays, between = [], []
+        for i in range(1, 3):
+            sx.copy_(small[i][0][r].to(dev))
+            sid.copy_(small[i][1][r].to(dev))
+            sw.copy_(small[i][2][r].to(dev))
+            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
+                t.view(torch.uint8).fill_(0xFF)
+            comm.synchronize()
+            barrier.wait()
+            g.replay()
+            comm.synchronize()
+            barrier.wait()
+            replays.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
+                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
+                out=out, y=y).items()})
+            between.append(run_rank(comm, *big[i - 1], experts, barrier=barrier))
+        return first, modes, replays, between
+
+    res = ps.run_virtual(world, fn, device="cuda", config=cfg)
+    for i, case in enumerate(eager):
+        check_results([res[r][0][i] for r in range(world)], *case, experts)
+    assert all(res[r][1] == [True, False, True, False] for r in range(world)), [r[1] for r in res]
+    for i in range(2):
+        check_results([res[r][2][i] for r in range(world)], *small[i + 1], experts, capacity=16)
+        check_results([res[r][3][i] for r in range(world)], *big[i], experts)

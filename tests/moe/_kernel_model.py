@@ -246,6 +246,8 @@ class FakeMoELib:
         if begun is None:
             return 0
         st, e, par = begun
+        for d in range(w_):  # the delivered words count decode calls too (block 0 adds blocks, waits for none)
+            i64(p.bases[d] + p.ddone_off + 8 * me)[0] += p.blocks
         ids, r = self._route(p)
         dst, le, j = (a.reshape(-1).numpy() for a in (r.dst, r.le, r.j))
         if t_n:
@@ -310,6 +312,7 @@ class FakeMoELib:
         st, e, par = begun
         for q in range(w_):
             self._put_packets(self._rwin(p, q, par) + 16 * me, np.array([p.reject, cap], dtype=np.uint32).tobytes(), e)
+            i64(p.bases[q] + p.done_off + me * 8)[0] += p.blocks  # the done words count decode calls too
         if not p.reject:
             counts = i32(p.row_counts, p.local)
             rows = p.local * w_ * cap

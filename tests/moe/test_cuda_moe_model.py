@@ -335,3 +335,24 @@ def test_decode_windows_are_in_the_layout_and_within_the_footprint():
     assert 6.5 * 2**20 < extra < 7.5 * 2**20 and lay.rank_bytes < 64 * 2**20
     assert lay.decode_fits(8, 7168 * 2, 7168 * 2) and not lay.decode_fits(9, 7168 * 2, 7168 * 2)
     assert not lay.decode_fits(8, 7168 * 2, 7168 * 4) and not off.decode_fits(8, 16, 16)
+
+
+def test_calls_switch_between_the_decode_and_normal_modes(world_of):
+    """One communicator, moe.decode_tokens 4: eager calls of 2, 9 and 12 tokens a rank and captured calls of
+    3 (max_tokens 3) in turn take the decode and the normal mode by turns. Every mode's words stay in step
+    across the switches (the normal modes count e * blocks arrivals, which decode calls add too): each call
+    correct, none times out."""
+    world, experts, topk = 4, 8, 3
+    plan = [(2, False), (9, False), (3, True), (12, False), (3, True), (9, True), (1, False)]
+    cases = [make_case(world, experts, topk, H, torch.bfloat16, 140 + s, max_tokens=n, fixed_tokens=True)
+             for s, (n, _) in enumerate(plan)]
+
+    def fn(m):
+        return [_call(m, *case, experts, capacity=16, capturing=cap, max_tokens=n if cap else None)
+                for case, (n, cap) in zip(cases, plan)]
+
+    res, lib = world_of(world, fn, decode_tokens=4)
+    for i, case in enumerate(cases):
+        check_results([r[i] for r in res], *case, experts, capacity=16)
+    modes = [k.endswith("decode") for k, _ in lib.launches if k.startswith("dispatch")]
+    assert modes == [n <= 4 for n, _ in plan for _ in range(world)]
