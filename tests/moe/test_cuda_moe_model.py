@@ -356,3 +356,62 @@ def test_calls_switch_between_the_decode_and_normal_modes(world_of):
         check_results([r[i] for r in res], *case, experts, capacity=16)
     modes = [k.endswith("decode") for k, _ in lib.launches if k.startswith("dispatch")]
     assert modes == [n <= 4 for n, _ in plan for _ in range(world)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_call_sequences(world_of, seed):
+    """Random worlds, shapes and dtypes; four calls on one communicator (moe.decode_tokens 6), each eager
+    or captured, of up to 10 tokens a rank (so the modes switch between calls), some over capacity (raised
+    where seen) or with a combine one rank rejects (raised on every rank): every other call correct, none
+    times out."""
+    import random
+
+    rnd = random.Random(seed * 7919 + world_of.one_pass * 2 + bool(world_of.decode))
+    world = rnd.choice([1, 2, 3, 4, 8])
+    experts = world * rnd.choice([1, 2, 3])
+    topk = rnd.randint(1, min(6, experts))
+    dtype = rnd.choice([torch.bfloat16, torch.float16, torch.float32])
+    qdtype = rnd.choice([None, FP8])
+    calls = []
+    for c in range(4):
+        n = rnd.randint(1, 10)
+        captured = c > 0 and rnd.random() < 0.5
+        xs, ids, ws = make_case(world, experts, topk, H, dtype, 1000 * seed + c, max_tokens=n,
+                                fixed_tokens=captured)
+        need = max([1] + [int((i.to(torch.int64) == e).sum()) for i in ids for e in range(experts)])
+        cap = need + rnd.randint(0, 2) if captured else rnd.choice([None, need])
+        fault = rnd.choice([None, None, "overflow", "reject"]) if c > 0 and world > 1 else None
+        if fault == "overflow" and need > 1:
+            cap = need - 1
+        calls.append((xs, ids, ws, cap, captured, fault, rnd.randrange(world)))
+
+    def fn(m):
+        out = []
+        for xs, ids, ws, cap, captured, fault, who in calls:
+            r = m.rank
+            try:
+                if fault != "reject":
+                    out.append(_call(m, xs, ids, ws, experts, capacity=cap, qdtype=qdtype, capturing=captured))
+                    continue
+                quant = check_dispatch(xs[r], ids[r], ws[r], experts, cap, qdtype, world, m.device, check_values=False)
+                d = m.dispatch(xs[r], ids[r], ws[r], experts, cap, quant, captured)
+                if r == who:
+                    m.reject_combine(ps.PurlinValueError("moe_combine: bad shape"))
+                else:
+                    m.combine(expert_fn(d.x, d.expert, d.scales, xs[r].dtype), d)
+                m.synchronize()
+                out.append("no error")
+            except (ps.PurlinCapacityError, ps.PurlinValueError) as e:
+                out.append(type(e).__name__)
+                m.synchronize()
+        return out
+
+    res, _ = world_of(world, fn, decode_tokens=6)
+    for i, (xs, ids, ws, cap, captured, fault, who) in enumerate(calls):
+        got = [r[i] for r in res]
+        if fault == "reject":
+            assert got == ["PurlinValueError"] * world, got
+        elif any(isinstance(g, str) for g in got):  # an overflow: raised where it was seen
+            assert cap is not None and all(g in ("PurlinCapacityError",) or isinstance(g, dict) for g in got), got
+        else:
+            check_results(got, xs, ids, ws, experts, capacity=cap, dtype=qdtype)
