@@ -1506,11 +1506,13 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
         h1 = snac::ld_packet(slot + (lane + 32) * snac::kPacketBytes);
         ok = wait_packet(p, slot + (lane + 32) * snac::kPacketBytes, ep, e, h1, 2, q);
       }
-      auto word = [&](long long idx) -> int {  // int idx of the header (every lane calls it)
+      // int idx of the header (every lane calls it, each with its own idx): lane src offers both halves of
+      // both its packets, and the caller picks by its own idx (the source lane's idx may differ in parity)
+      auto word = [&](long long idx) -> int {
         const int pk = int(idx >> 1), src = pk & 31;
-        const unsigned a = __shfl_sync(0xffffffffu, (idx & 1) ? h0.z : h0.x, src);
-        const unsigned b = __shfl_sync(0xffffffffu, (idx & 1) ? h1.z : h1.x, src);
-        return int(pk < 32 ? a : b);
+        const unsigned x0 = __shfl_sync(0xffffffffu, h0.x, src), z0 = __shfl_sync(0xffffffffu, h0.z, src);
+        const unsigned x1 = __shfl_sync(0xffffffffu, h1.x, src), z1 = __shfl_sync(0xffffffffu, h1.z, src);
+        return int(pk < 32 ? ((idx & 1) ? z0 : x0) : ((idx & 1) ? z1 : x1));
       };
       const int tok = word(0);
       const long long kl = min(static_cast<long long>(lane), K - 1);
