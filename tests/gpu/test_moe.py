@@ -285,10 +285,12 @@ def _captured_pairs(world, xs, ids, ws, experts, cfg, max_tokens=None, replays=2
             except ps.PurlinError as e:
                 error = e
                 break
-            results.append({k: v.cpu() for k, v in dict(x=d.x, expert=d.expert, counts=d.counts,
-                                                          src_rank=d.src_rank, src_slot=d.src_slot, out=out,
-                                                          y=y).items()})
-        barrier.wait()
+            results.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
+                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
+                out=out, y=y).items()})
+        barrier.wait()  # every rank's kernels have ended
+        if error is not None:
+            comm.close()  # broken: run_virtual's own synchronize after fn would raise the error again
         return results, error, comm.moe_trace() if error is None else None
 
     return ps.run_virtual(world, fn, device="cuda", config=cfg)
