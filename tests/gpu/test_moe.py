@@ -30,10 +30,24 @@ def _mode(request, monkeypatch):
     monkeypatch.setitem(CFG, "moe", {**CFG["moe"], "one_pass": one_pass, "decode_tokens": decode})
 
 
+def _world(world, fn, barrier, config=None):
+    """ps.run_virtual on the GPU, with the test's barrier broken when a rank raises: its peers stop at once
+    (a PurlinBrokenError that names the cause as a peer's) instead of waiting in the barrier until the join
+    timeout, and run_virtual raises the rank's own error."""
+    def body(comm):
+        try:
+            return fn(comm)
+        except threading.BrokenBarrierError as e:
+            raise ps.PurlinBrokenError(f"rank {comm.rank}: a peer rank raised (the test's barrier was broken)") from e
+        except BaseException:
+            barrier.abort()
+            raise
+    return ps.run_virtual(world, body, device="cuda", config=CFG if config is None else config)
+
+
 def _run(world, xs, ids, ws, experts, capacity=None, qdtype=None, out_dtype=None):
     barrier = threading.Barrier(world)
-    return ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype, barrier),
-                          device="cuda", config=CFG)
+    return _world(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, out_dtype, barrier), barrier)
 
 
 def _tiny(dev, tokens=4):
@@ -63,7 +77,7 @@ def test_bad_arguments_and_limits():
             comm.moe_dispatch(torch.randn(4, 3, device=comm.device), ids, w, num_experts=4)
         return _good_call(comm, x, ids, w, barrier), comm.moe_hbm_bytes
 
-    res = ps.run_virtual(2, fn, device="cuda", config=CFG)
+    res = _world(2, fn, barrier)
     assert all(r[0] and r[1] > 0 for r in res)
 
 
@@ -78,7 +92,7 @@ def test_bad_ids_on_one_rank_raise_on_every_rank():
             comm.moe_dispatch(x, ids + 9 * comm.rank, w, num_experts=4)
         return str(e.value), _good_call(comm, x, ids, w, barrier)
 
-    (msg0, ok0), (msg1, ok1) = ps.run_virtual(2, fn, device="cuda", config=CFG)
+    (msg0, ok0), (msg1, ok1) = _world(2, fn, barrier)
     assert "rank 1 rejected its arguments" in msg0 and "outside [-1, 4)" in msg0  # rank 1's message, quoted
     assert "outside [-1, 4)" in msg1 and ok0 and ok1
 
@@ -152,7 +166,7 @@ def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=N
             barrier.wait()
         return results, errors
 
-    return ps.run_virtual(world, fn, device="cuda", config=CFG)
+    return _world(world, fn, barrier)
 
 
 @pytest.mark.parametrize("qdtype", [None, FP8], ids=["bf16", "fp8"])
@@ -203,8 +217,8 @@ def _exact_and_capacity_rows(world, xs, ids, ws, experts, max_tokens, qdtype):
     big = {**CFG, "moe": {**CFG["moe"], "max_tokens_per_rank": max_tokens}}
     for capacity in (None, cap):
         barrier = threading.Barrier(world)
-        res = ps.run_virtual(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier),
-                             device="cuda", config=big)
+        res = _world(world, lambda c: run_rank(c, xs, ids, ws, experts, capacity, qdtype, None, barrier), barrier,
+                     big)
         check_results(res, xs, ids, ws, experts, capacity=capacity, dtype=qdtype)
 
 
@@ -248,7 +262,7 @@ def test_bad_combine_on_one_rank_ends_every_ranks_combine():
         barrier.wait()
         return str(e.value), took, run_rank(c, xs, ids, ws, experts, barrier=barrier)
 
-    res = ps.run_virtual(world, fn, device="cuda", config=CFG)
+    res = _world(world, fn, barrier)
     assert "expected" in res[1][0] and "rank 1 rejected its arguments" in res[0][0], (res[0][0], res[1][0])
     assert max(r[1] for r in res) < CFG["timeout_s"] / 2
     check_results([r[2] for r in res], xs, ids, ws, experts)
@@ -293,7 +307,7 @@ def _captured_pairs(world, xs, ids, ws, experts, cfg, max_tokens=None, replays=2
             comm.close()  # broken: run_virtual's own synchronize after fn would raise the error again
         return results, error, comm.moe_trace() if error is None else None
 
-    return ps.run_virtual(world, fn, device="cuda", config=cfg)
+    return _world(world, fn, barrier, cfg)
 
 
 def test_captured_calls_take_one_mode_from_max_tokens():
@@ -378,7 +392,7 @@ def test_eager_calls_and_decode_graphs_switch_modes():
             between.append(run_rank(comm, *big[i - 1], experts, barrier=barrier))
         return first, modes, replays, between
 
-    res = ps.run_virtual(world, fn, device="cuda", config=cfg)
+    res = _world(world, fn, barrier, cfg)
     for i, case in enumerate(eager):
         check_results([res[r][0][i] for r in range(world)], *case, experts)
     assert all(res[r][1] == [True, False, True, False] for r in range(world)), [r[1] for r in res]
