@@ -57,9 +57,11 @@ class MoESettings(ConfigModel):
       writes each (token, expert) row once into the receiver's output and the combine reads each
       expert output where it lies (no receive slots, no return rows; the MoE region shrinks to a few
       KiB). false: the receive-slot path, which ranks in separate processes always take.
-    * ``decode_tokens`` (8): the CUDA engine's decode mode (docs/DESIGN.md, "MoE"): a call in which every
-      rank dispatches at most this many tokens moves its rows as flag-in-data packets, one round an
-      op (no count, delivered or done words); 0 turns it off; at most 32. Eager calls decide from
+    * ``decode_tokens`` (0: off): the CUDA engine's decode mode (docs/DESIGN.md, "MoE"): a call in which
+      every rank dispatches at most this many tokens moves its rows as flag-in-data packets, one round
+      an op (no count, delivered or done words); at most 32. Off by default: on virtual ranks of one
+      GPU it measured slower than the other modes (docs/RESULTS.md); ranks on separate GPUs, which it
+      is meant for, have not been measured. Eager calls decide from
       the exchanged token counts; a captured call from ``moe_dispatch``'s ``max_tokens`` (default:
       this rank's tokens, so then every rank must be on the same side). Adds windows for this many
       tokens a rank to the MoE region (about 7 MiB at 8 tokens, top-8, hidden 7168, bf16, 8 ranks).
@@ -72,7 +74,7 @@ class MoESettings(ConfigModel):
     dtype: Literal["auto", "bf16", "fp8"] = "auto"
     signal_scope: Literal["auto", "system"] = "auto"
     one_pass: bool = True
-    decode_tokens: int = Field(8, ge=0, le=32)
+    decode_tokens: int = Field(0, ge=0, le=32)
     trace: bool = False
 
 

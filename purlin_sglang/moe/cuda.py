@@ -12,7 +12,7 @@ it; ``out_ref`` ([T, K], receiver << 32 | row) carries each slot's row from the 
 combine. Ranks in separate processes cannot address each other's tensors and take the receive-slot
 path above. Both modes give the same outputs, bitwise.
 
-Decode mode (``moe.decode_tokens`` D, default 8; moe_kernel.cuh, "decode mode"): a call in which every
+Decode mode (``moe.decode_tokens`` D, default 0: off; moe_kernel.cuh, "decode mode"): a call in which every
 rank dispatches at most D tokens, in either mode above, moves its rows as flag-in-data packets into
 per-source windows of the receiver's region and back, one round an op (no count, delivered, ready or
 done words). Every rank of a call must take it alike: an eager call decides from the token counts

@@ -110,6 +110,7 @@ def test_cuda_rows_name_the_kernels_that_ran():
     def args(decode, one_pass="on"):
         return argparse.Namespace(decode_tokens=decode, one_pass=one_pass)
 
-    assert moe.cuda_path(args(None), 1) == "decode" and moe.cuda_path(args(None), 9) == "one-pass"
+    assert moe.cuda_path(args(None), 1) == "one-pass"  # the default: off
+    assert moe.cuda_path(args(8), 1) == "decode" and moe.cuda_path(args(8), 9) == "one-pass"
     assert moe.cuda_path(args(0), 1) == "one-pass" and moe.cuda_path(args(0, "off"), 1) == "slots"
     assert moe.cuda_path(args(16, "off"), 16) == "decode" and moe.cuda_path(args(16, "off"), 17) == "slots"
