@@ -299,6 +299,20 @@ class FakeMoELib:
         st[K_DISP_EPOCH] = e
         return 0
 
+    @staticmethod
+    def _reduce(p, slots):
+        """y[t] = sum of w[t, k] * row over ``slots(t)`` (its (k, row bytes) in k order), float32, rounded
+        once to y's dtype: the kernels' reduce for the one-pass and decode combines."""
+        dt = _DT[p.dtype]
+        n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
+        w = torch.from_numpy(f32(p.weights, p.tokens * p.topk).copy()).view(p.tokens, p.topk)
+        acc = torch.zeros(p.tokens, n, dtype=torch.float32)
+        for t in range(p.tokens):
+            for k, data in slots(t):
+                acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(data), dtype=dt).to(torch.float32)
+        out = acc.to(dt).contiguous().view(torch.uint8).numpy()
+        ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+
     def _combine_decode(self, p):
         """The decode combine: a header packet to every rank, each valid row back as packets into slot
         t * K + k of its source's return window; then every header polled and my slots reduced."""
@@ -333,12 +347,9 @@ class FakeMoELib:
                 self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
                 ok = False
         if ok and not p.reject and p.tokens:
-            dt = _DT[p.dtype]
-            n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
             ref = i64(p.row_ref, p.tokens * k_)
-            w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
-            acc = torch.zeros(p.tokens, n, dtype=torch.float32)
-            for t in range(p.tokens):
+
+            def slots(t):
                 for k in range(k_):
                     rf = int(ref[t * k_ + k])
                     if rf < 0 or (rf & 0xFFFFFFFF) >= caps[rf >> 32]:
@@ -346,10 +357,10 @@ class FakeMoELib:
                     data = self._take_packets(p, self._rwin(p, me, par) + head + (t * k_ + k) * 2 * p.ret_bytes,
                                               p.ret_bytes // 8, e, 3, rf >> 32)
                     if data is None:
-                        break
-                    acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(data), dtype=dt).to(torch.float32)
-            out = acc.to(dt).contiguous().view(torch.uint8).numpy()
-            ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+                        return  # a timeout (recorded): the token's remaining slots are not read
+                    yield k, data
+
+            self._reduce(p, slots)
         st[K_COMB_EPOCH] = e
         return 0
 
@@ -468,22 +479,17 @@ class FakeMoELib:
                 self._record(p, 5, 1, q, -1, 0, 0, e, 0, False)
                 ok = False
         if ok and not p.reject and p.tokens:
-            dt = _DT[p.dtype]
-            n = p.ret_bytes // torch.empty(0, dtype=dt).element_size()
             eo = [int(self._ptr(p, q, par)[9]) for q in range(w_)]
             ref = i64(p.row_ref, p.tokens * k_)
             valid = i8(p.valid, p.tokens * k_)
-            w = torch.from_numpy(f32(p.weights, p.tokens * k_).copy()).view(p.tokens, k_)
-            acc = torch.zeros(p.tokens, n, dtype=torch.float32)
-            for t in range(p.tokens):
+
+            def slots(t):
                 for k in range(k_):
                     rf = int(ref[t * k_ + k])
-                    if not valid[t * k_ + k] or rf < 0:
-                        continue
-                    raw = (ctypes.c_char * p.ret_bytes).from_address(eo[rf >> 32] + (rf & 0xFFFFFFFF) * p.ret_bytes)
-                    acc[t] = acc[t] + w[t, k] * torch.frombuffer(bytearray(raw), dtype=dt).to(torch.float32)
-            out = acc.to(dt).contiguous().view(torch.uint8).numpy()
-            ctypes.memmove(p.y, out.ctypes.data, out.nbytes)
+                    if valid[t * k_ + k] and rf >= 0:
+                        yield k, (ctypes.c_char * p.ret_bytes).from_address(eo[rf >> 32] + (rf & 0xFFFFFFFF) * p.ret_bytes)
+
+            self._reduce(p, slots)
         for q in range(w_):  # every block adds one (arrive_all)
             i64(p.bases[q] + p.done_off + me * 8)[0] += p.blocks
         for q in range(w_):
