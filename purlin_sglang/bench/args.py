@@ -70,6 +70,21 @@ def worlds_arg(text: str) -> list[int]:
     return vals
 
 
+def add_launch_ahead(p: argparse.ArgumentParser) -> None:
+    """``--launch-ahead`` (bench collectives, bench moe, moe_parts; timing.time_graph_replays)."""
+    p.add_argument("--launch-ahead", action="store_true",
+                   help="graph mode: hold each rank's stream behind a GPU sleep while the host enqueues every timed "
+                        "replay, so replays run back to back and host launch time between them is not timed "
+                        "(virtual ranks: the rank threads share one CUDA context and can fall behind the GPU)")
+
+
+def add_decode_tokens(p: argparse.ArgumentParser) -> None:
+    """``--decode-tokens N`` (bench moe, moe_parts): the communicators' ``moe.decode_tokens``."""
+    p.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="moe.decode_tokens: calls of at most N tokens a rank take the decode mode (packets, one "
+                        "round an op); 0: off (default: the config's default)")
+
+
 def start(args: argparse.Namespace, resolve: Callable[[argparse.Namespace], argparse.Namespace]
           ) -> tuple[argparse.Namespace, Path]:
     """A bench command's arguments checked by ``resolve`` and its output folder made: (the resolved

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .cases import DTYPES, make_case
-from .args import csv_list, factor_arg, nonneg_int, positive_float, positive_int, size_arg, sizes_arg, start, worlds_arg
+from .args import (add_launch_ahead, csv_list, factor_arg, nonneg_int, positive_float, positive_int, size_arg,
+                   sizes_arg, start, worlds_arg)
 from .metrics import human_bytes, size_sweep
 from .environment import environment
 from .purlin_runner import Options, run_purlin
@@ -60,10 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-calls", type=positive_int, default=50,
                    help="calls captured in one graph (graph mode; 50, as benchmarks/bench_cuda_engine.py: with "
                         "few calls per replay the rank threads' launches, not the GPU, set the pace)")
-    p.add_argument("--launch-ahead", action="store_true",
-                   help="graph mode: hold each rank's stream behind a GPU sleep while the host enqueues every timed "
-                        "replay, so replays run back to back and host launch time between them is not timed "
-                        "(virtual ranks: the rank threads share one CUDA context and can fall behind the GPU)")
+    add_launch_ahead(p)
     p.add_argument("--rotate", type=positive_int, default=3,
                    help="input buffers used in turn when the inputs sharing one L2 exceed --l2-bytes")
     p.add_argument("--l2-bytes", type=size_arg, default=H200_L2, help="L2 size (default 60M, H200)")

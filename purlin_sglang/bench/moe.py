@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..config import MoESettings
-from .args import start
+from .args import add_decode_tokens, add_launch_ahead, start
 from .metrics import percentile
 from .moe_check import (DTYPES, bitwise_vs_reference, check, expert_scale, make_inputs, max_pair_load, run_experts,
                         wire_bytes)
@@ -77,19 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 20, CPU 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
     p.add_argument("--graph-calls", type=int, default=10, help="calls captured per graph (fewer if outputs are large)")
-    p.add_argument("--launch-ahead", action="store_true",
-                   help="graph mode: hold each rank's stream behind a GPU sleep while the host enqueues every timed "
-                        "replay, so replays run back to back and host launch time between them is not timed "
-                        "(virtual ranks: the rank threads share one CUDA context and can fall behind the GPU)")
+    add_launch_ahead(p)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference path")
     p.add_argument("--signal-scope", choices=("auto", "system"), default="auto",
                    help="moe.signal_scope of the communicators (system: as ranks on several GPUs signal)")
     p.add_argument("--one-pass", choices=("on", "off"), default="on",
                    help="moe.one_pass: virtual ranks write rows straight into each other's outputs (on) or take "
                         "the receive-slot path of ranks in separate processes (off)")
-    p.add_argument("--decode-tokens", type=int, default=None, metavar="N",
-                   help="moe.decode_tokens: calls of at most N tokens a rank take the decode mode (packets, one "
-                        "round an op); 0: off (default: the config's default)")
+    add_decode_tokens(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="timeout_s of each communicator")
     p.add_argument("--out", default=None, help="results directory (default ./bench-results/moe-<timestamp>)")

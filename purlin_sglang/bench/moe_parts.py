@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from .args import add_decode_tokens, add_launch_ahead
 from .metrics import percentile
 from .moe_check import DTYPES, make_inputs, max_pair_load
 from .purlin_runner import GraphPool, Options, graph_samples, rank_stream, settle
@@ -188,9 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--calls", type=int, default=10, help="calls per captured graph")
-    p.add_argument("--launch-ahead", action="store_true",
-                   help="hold each rank's stream behind a GPU sleep while the host enqueues every timed replay (timing.py, "
-                        "time_graph_replays)")
+    add_launch_ahead(p)
     p.add_argument("--capacity", type=int, default=None,
                    help="rows per (source rank, expert) (default: the routing's largest, rounded up to 16, at least 16)")
     p.add_argument("--iters", type=int, default=20)
@@ -201,9 +200,7 @@ def main(argv=None) -> int:
                         "(durations, gaps between kernels, the ranks' start spread: bench/moe_timeline.py)")
     p.add_argument("--one-pass", choices=("on", "off"), default="on",
                    help="moe.one_pass (on: rows straight into the receivers' outputs; off: the receive-slot path)")
-    p.add_argument("--decode-tokens", type=int, default=None, metavar="N",
-                   help="moe.decode_tokens (calls of at most N tokens a rank take the decode mode; 0: off; default: "
-                        "the config's)")
+    add_decode_tokens(p)
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="also N pairs with the kernels' phase stamps (moe.trace): each phase's us, per rank")
     p.add_argument("--trace-calls", type=int, default=1, metavar="N",
