@@ -25,10 +25,13 @@ def format_table(rows: list[dict], floor: dict | None) -> str:
                      else f"{'-':>9}{'-':>8}{'-':>8}")
         line += f"{human_bytes(r['hbm_bytes']) if r['hbm_bytes'] else '-':>10}"
         lines.append(line)
-    lines.append("(times in us, slowest rank per iteration; bytes: payload moved, summed over ranks; rows: expert "
-                 "rows on the busiest rank; ceiling: 2 x bytes / device copy bandwidth; +us: median - ceiling)")
+    legend = ("(times in us, slowest rank per iteration; bytes: payload moved, summed over ranks; rows: expert "
+              "rows on the busiest rank")
     if floor:
+        lines.append(legend + "; ceiling: 2 x bytes / device copy bandwidth; +us: median - ceiling)")
         lines.append(f"copy bandwidth {floor['copy_GBps']:.0f} GB/s ({floor['copy_measured']})")
+    else:
+        lines.append(legend + "; no ceiling columns: the copy rate they divide by is measured on a GPU only)")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from purlin_sglang import cli
-from purlin_sglang.bench import moe, moe_check
+from purlin_sglang.bench import moe, moe_check, moe_report
 
 TINY = ["bench", "moe", "--device", "cpu", "--world", "4", "--experts", "8", "--topk", "2", "--hidden", "16",
         "--iters", "2", "--warmup", "0", "--drop-every", "3"]
@@ -39,6 +39,7 @@ def test_tiny_run_writes_json_table_and_chart(tmp_path, capsys):
     assert 4 * 5 <= disp["bf16"] // 32 <= 4 * 5 * 2
     assert result["floor"] is None and result["failures"] == []
     assert "purlin    pair" in text.out and "14 of 14 results correct" in text.out
+    assert "ceil us" not in text.out and "no ceiling columns" in text.out  # the CPU has no copy rate
     assert "[4/4] tokens 5, fp8" in text.err
     pytest.importorskip("matplotlib")
     assert (out / "moe.png").stat().st_size > 0
@@ -100,6 +101,8 @@ def test_rows_against_a_copy_ceiling():
     assert by_op["pair"]["over_ceiling_us"] == pytest.approx(40.0 - by_op["pair"]["ceiling_us"])
     assert by_op["pair"]["moe_hbm_bytes"] == 1 << 19 and by_op["pair"]["capacity"] == 16
     assert by_op["pair"]["bitwise_vs_reference"] is None  # no eager results to compare
+    table = moe_report.format_table(rows, {"copy_GBps": 1.0, "copy_measured": "made up"})
+    assert "ceil us" in table and "ceiling: 2 x bytes" in table and "copy bandwidth 1 GB/s (made up)" in table
 
 
 def test_cuda_rows_name_the_kernels_that_ran():
