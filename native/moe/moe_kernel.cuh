@@ -275,6 +275,24 @@ __device__ inline bool dispatch_begins(const PurlinMoeParams& p, DispatchShared&
   return true;
 }
 
+// Every block of a combine, first: this call's epoch into s_e, s_fail and s_rej (a peer's reject, seen
+// later) cleared; false (the block has finished) when an earlier error ended this rank's kernels.
+__device__ inline bool combine_begins(const PurlinMoeParams& p, long long& s_e, int& s_fail, int& s_rej) {
+  long long* st = state(p);
+  if (threadIdx.x == 0) {
+    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
+    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
+    s_rej = 0;
+  }
+  __syncthreads();
+  stamp(p, 1, 0);
+  if (s_fail) {
+    finish(st + kCombExit, st + kCombEpoch, s_e);
+    return false;
+  }
+  return true;
+}
+
 // One block: my count word of epoch e to EVERY rank (also when I send it nothing): [epoch, tokens, meta,
 // rows per its local expert], the epoch last (release).
 __device__ inline void count_words_out(const PurlinMoeParams& p, const DispatchShared& s, int par, long long e) {
@@ -946,21 +964,11 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps], s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
-    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-  }
-  __syncthreads();
+  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const long long W = p.world;
-  stamp(p, 1, 0);
-  if (s_fail) {
-    finish(st + kCombExit, st + kCombEpoch, e);
-    return;
-  }
   if (tid == 0) {
-    s_rej = 0;
     // a rank that rejected its arguments puts nothing back and says so before its done adds release it
     if (p.reject && blockIdx.x == 0) ptr_block(p, p.rank, par)->c_epoch = e | kRejectBit;
   }
@@ -1232,20 +1240,10 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
   __shared__ int s_fail, s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
-    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s_rej = 0;
-  }
-  __syncthreads();
+  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const long long W = p.world;
-  stamp(p, 1, 0);
-  if (s_fail) {
-    finish(st + kCombExit, st + kCombEpoch, e);
-    return;
-  }
   // ready out: my expert_out for this call (complete: my stream ran the experts before this kernel)
   if (blockIdx.x == 0 && tid == 0) {
     PtrBlock* b = ptr_block(p, p.rank, par);
@@ -1626,21 +1624,11 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_decode_kernel
   __shared__ unsigned s_cap[PURLIN_MOE_MAX_RANKS];  // every rank's capacity (its header)
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
-    s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s_rej = 0;
-  }
-  __syncthreads();
+  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const snac::Epoch ep{uint32_t(e), uint32_t(e)};
   const long long W = p.world, L = p.local, cap = p.capacity;
-  stamp(p, 1, 0);
-  if (s_fail) {
-    finish(st + kCombExit, st + kCombEpoch, e);
-    return;
-  }
   if (blockIdx.x == 0 && tid < W) {
     snac::st_packet(rwin_header(p, tid, par, p.rank), uint64_t(p.reject) | (uint64_t(cap) << 32), ep);
     sig_add(p, done_word(p, tid, p.rank), p.blocks);  // the done words count every combine (as ddone above)
