@@ -109,7 +109,7 @@ MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pa
 MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad", "received"),
                            "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
 # The same stamps of the decode mode's kernels (one round of packets an op).
-MOE_TRACE_PHASES_DECODE = {"dispatch": ("start", "put", "headers_in", "pad", "expand"),
+MOE_TRACE_PHASES_DECODE = {"dispatch": ("start", "route", "headers_out", "put", "headers_in", "pad", "expand"),
                            "combine": ("start", "put_back", "headers_in", "reduce")}
 MOE_PTR_WORDS = 16  # a one-pass pointer block per parity (native.h PURLIN_MOE_PTR_WORDS)
 MOE_DECODE_META = 1 << 60  # a decode-mode header's meta word carries it (encoding.h kDecodeMeta)

@@ -1412,6 +1412,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
     }
   }
   __syncthreads();
+  stamp(p, 0, 1);
   if (blockIdx.x == 0) {
     // the delivered words count every dispatch, decode ones too: the normal modes wait for e * blocks
     if (tid < W) sig_add(p, ddone_word(p, tid, p.rank), p.blocks);
@@ -1426,6 +1427,8 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
       snac::st_packet(dwin(p, d, par, p.rank) + j * snac::kPacketBytes, v, ep);
     }
   }
+  if (p.trace != nullptr) __syncthreads();  // the stamp: block 0's headers and out_ref written
+  stamp(p, 0, 2);
   // put: (token, unit of its slot) per thread, spread over the grid's blocks
   {
     const long long hunits = p.hdr_bytes / 16, sunits = p.slot_bytes / 16, items = T * sunits;
@@ -1447,7 +1450,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
     }
   }
   __syncthreads();  // the route's shared arrays are reused below
-  stamp(p, 0, 1);
+  stamp(p, 0, 3);
   // headers in: every producer's header (tokens -> tstart[q + 1], meta -> route.j)
   for (long long i = tid; i < W * hp; i += blockDim.x) {
     const long long q = i / hp, j = i % hp;
@@ -1476,11 +1479,11 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
     }
   }
   __syncthreads();
-  stamp(p, 0, 2);
+  stamp(p, 0, 4);
   if (!s.fail && !s.bad) {
     received_offsets(p, s, e);
     pad_rows(p, s);
-    stamp(p, 0, 3);
+    stamp(p, 0, 5);
     // expand: (received token, part of its row) per warp, each packet polled where it landed
     const long long n_recv = s.tstart[W];
     const long long warps = (long long)gridDim.x * nwarps, units = p.payload_bytes / 16;
@@ -1561,7 +1564,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
     if (!ok) s.fail = 1;
   }
   if (p.trace != nullptr) __syncthreads();
-  stamp(p, 0, 4);
+  stamp(p, 0, 6);
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 
