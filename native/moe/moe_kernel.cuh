@@ -1341,15 +1341,23 @@ __device__ __forceinline__ char* rwin_row(const PurlinMoeParams& p, long long ow
 
 // Poll the packet at ptr until it carries epoch ep (v: a load already made); false on a timeout (recorded:
 // kind, peer) or a fatal error. `other`, when given, is the peer's count word here: a peer that wrote it for
-// this epoch took the other mode (recorded as kMismatch).
+// this epoch took the other mode (recorded as kMismatch). A thread sleeps between its polls (32 ns, doubling
+// up to kPollSleepMaxNs) and reads the fatal word, `other` and the clock once every kPollCheck polls: every
+// waiting thread of the grid polls (up to all of them, the expand's warps reading the same header packets),
+// and polls without a pause load the memory system the producers' packet stores go through.
 __device__ inline bool wait_packet(const PurlinMoeParams& p, const char* ptr, snac::Epoch ep, long long e, uint4& v,
                                    int kind, long long peer, const long long* other = nullptr) {
+  constexpr unsigned kPollCheck = 16, kPollSleepMaxNs = 512;
   if (snac::packet_ready(v, ep)) return true;
   const unsigned long long t0 = globaltimer();
   const volatile long long* fatal = state(p) + kFatal;
-  for (;;) {
+  unsigned sleep_ns = 32;
+  for (unsigned n = 1;; ++n) {
+    __nanosleep(sleep_ns);
+    sleep_ns = min(2 * sleep_ns, kPollSleepMaxNs);
     v = snac::ld_packet(ptr);
     if (snac::packet_ready(v, ep)) return true;
+    if (n % kPollCheck != 0) continue;
     if (*fatal) return false;
     if (other != nullptr && sig_relaxed(p, other) == e) {
       record(p, kMismatch, kind, peer, -1, other[2], meta(p) | kDecodeMeta, e, 0, true);
@@ -1373,17 +1381,44 @@ __device__ __forceinline__ int decode_header_int(const PurlinMoeParams& p, const
   return i - 4 < p.local ? s.cnt[d * p.local + i - 4] : 0;
 }
 
-// Int i of chunk token tt's slot header at destination d (put_header's words).
-__device__ __forceinline__ int slot_header_int(const PurlinMoeParams& p, const DispatchShared& s, int tt, long long d,
-                                               long long i, long long E) {
+// Ints 4u..4u+3 of chunk token tt's slot header (put_header's words), for every destination at once: val[c]
+// with dst[c] -2 (the same at every destination: token index, scale, padding), or the rank that owns the
+// slot's expert (-1: none; the int is -1 at every other rank). The unit's ids are loaded together, once, not
+// per destination behind the packet stores.
+__device__ __forceinline__ void slot_header_unit(const PurlinMoeParams& p, const DispatchShared& s, int tt, long long u,
+                                                 long long E, int* val, int* dst) {
   const long long K = p.topk;
-  if (i == 0) return tt;
-  if (i == 1 + 2 * K) return __float_as_int(p.quant ? s.scale[tt] : 1.0f);
-  if (i > 1 + 2 * K) return 0;
-  const long long k = (i - 1) % K;
-  const long long id = load_id(p, tt * K + k);
-  if (!(id >= 0 && id < E && id / p.local == d)) return -1;
-  return i <= K ? int(id % p.local) : s.u.route.j[tt * K + k];
+  long long id[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const long long i = 4 * u + c;
+    id[c] = i >= 1 && i <= 2 * K ? load_id(p, tt * K + (i - 1) % K) : -1;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const long long i = 4 * u + c;
+    dst[c] = -2;
+    if (i == 0) {
+      val[c] = tt;
+    } else if (i == 1 + 2 * K) {
+      val[c] = __float_as_int(p.quant ? s.scale[tt] : 1.0f);
+    } else if (i > 1 + 2 * K) {
+      val[c] = 0;
+    } else {
+      const long long k = (i - 1) % K;
+      const bool ok = id[c] >= 0 && id[c] < E;
+      dst[c] = ok ? int(id[c] / p.local) : -1;
+      val[c] = i <= K ? int(ok ? id[c] % p.local : -1) : s.u.route.j[tt * K + k];
+    }
+  }
+}
+
+// This thread's first item of a grid-stride loop whose items are spread over the grid's blocks a warp's
+// worth at a time: warp w of block b takes items (b + gridDim.x * w) * 32 + lane, so a warp's lanes store
+// consecutive 16-byte units (coalesced) and a few items still reach every block.
+__device__ __forceinline__ long long spread_item() {
+  return (static_cast<long long>(blockIdx.x) + static_cast<long long>(gridDim.x) * (threadIdx.x >> 5)) * 32 +
+         (threadIdx.x & 31);
 }
 
 __device__ __forceinline__ void st_unit(char* dst, const int4& v, snac::Epoch ep) {
@@ -1433,17 +1468,22 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
   {
     const long long hunits = p.hdr_bytes / 16, sunits = p.slot_bytes / 16, items = T * sunits;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long it = blockIdx.x + (long long)gridDim.x * tid; it < items; it += stride) {
+    for (long long it = spread_item(); it < items; it += stride) {
       const int tt = int(it / sunits);
       const long long u = it % sunits;
       const unsigned long long rot = rotated(s.mask[tt], p.rank, p.world);
       int4 v = make_int4(0, 0, 0, 0);
-      if (u >= hunits) v = wire_unit(p, tt, u - hunits, p.quant ? fp8_inverse(s.scale[tt]) : 1.0f);
+      int hval[4], hdst[4];
+      if (u >= hunits) {
+        v = wire_unit(p, tt, u - hunits, p.quant ? fp8_inverse(s.scale[tt]) : 1.0f);
+      } else {
+        slot_header_unit(p, s, tt, u, E, hval, hdst);
+      }
       for (unsigned long long m = rot; m; m &= m - 1) {
         const int d = int((__ffsll(static_cast<long long>(m)) - 1 + p.rank + 1) % p.world);
         if (u < hunits) {
-          v = make_int4(slot_header_int(p, s, tt, d, 4 * u, E), slot_header_int(p, s, tt, d, 4 * u + 1, E),
-                        slot_header_int(p, s, tt, d, 4 * u + 2, E), slot_header_int(p, s, tt, d, 4 * u + 3, E));
+          auto at = [&](int c) { return hdst[c] == -2 || hdst[c] == d ? hval[c] : -1; };
+          v = make_int4(at(0), at(1), at(2), at(3));
         }
         st_unit(dslot(p, d, par, p.rank, s.u.route.pos[tt * W + d]) + u * 2 * snac::kPacketBytes, v, ep);
       }
@@ -1497,6 +1537,16 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
       int q = 0;
       while (s.tstart[q + 1] <= g) ++q;
       const char* slot = dslot(p, p.rank, par, q, g - s.tstart[q]);
+      // lane 0 alone waits first for the last packet of the warp's part of the row (a rough sign that the
+      // part has landed: packets carry no order): the warp's other lanes then poll packets that are there
+      // or nearly, instead of every lane of every expanding warp polling while the producers' stores land
+      bool lead = true;
+      if (ok && lane == 0 && u1 > u0) {
+        const char* last = slot + (hunits + u1 - 1) * 2 * snac::kPacketBytes + snac::kPacketBytes;
+        uint4 t = snac::ld_packet(last);
+        lead = wait_packet(p, last, ep, e, t, 2, q);
+      }
+      ok = ok && __shfl_sync(0xffffffffu, lead, 0);
       // the token's header: packets lane and lane + 32 (hpk <= 34)
       uint4 h0 = make_uint4(0, 0, 0, 0), h1 = make_uint4(0, 0, 0, 0);
       if (ok && lane < hpk) {
@@ -1655,7 +1705,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_decode_kernel
     __syncthreads();
     const long long units = p.ret_bytes / 16, items = s_pre[L] * units;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long it = blockIdx.x + (long long)gridDim.x * tid; it < items; it += stride) {
+    for (long long it = spread_item(); it < items; it += stride) {
       const long long v = it / units, u = it % units;
       long long lo = 0, hi = L;  // the expert le with s_pre[le] <= v < s_pre[le + 1]
       while (hi - lo > 1) {
