@@ -121,7 +121,40 @@ def test_cpu_and_cuda_engines_agree_bitwise():
         assert torch.equal(g["y"].view(torch.int16), c["y"].view(torch.int16))
 
 
-def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=None):
+def _capture_pair(comm, barrier, one_capture, x, i, w, experts, capacity, max_tokens=None, dtype=None):
+    """Dispatch -> experts -> combine once eagerly (without ``max_tokens``), then captured once (one rank
+    captures at a time) with ``max_tokens``; returns the graph and its dispatch, expert and combine outputs.
+    Every rank has captured when it returns."""
+    def step(**kw):
+        d = comm.moe_dispatch(x, i, w, num_experts=experts, capacity=capacity, dtype=dtype, **kw)
+        out = expert_fn(d.x, d.expert, d.scales, x.dtype)
+        return d, out, comm.moe_combine(out, d)
+
+    step()
+    comm.synchronize()
+    barrier.wait()
+    g = torch.cuda.CUDAGraph()
+    with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
+                                                       capture_error_mode="thread_local"):
+        d, out, y = step(max_tokens=max_tokens)
+    barrier.wait()
+    return g, d, out, y
+
+
+def _poison(d, out, y):
+    """Fills every output a replay must write with 0xFF bytes."""
+    for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
+        t.view(torch.uint8).fill_(0xFF)
+
+
+def _replayed(d, out, y) -> dict:
+    """A replay's outputs, copied to the host."""
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
+        x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
+        out=out, y=y).items()}
+
+
+def _graph_world(world, experts, topk, cap, routings, qdtype=None):
     """Each rank: warm up eagerly, capture dispatch -> experts -> combine once, replay once per routing
     (new x, ids and weights copied into the static inputs; outputs poisoned first)."""
     barrier = threading.Barrier(world)
@@ -133,36 +166,20 @@ def _graph_world(world, experts, topk, cap, routings, qdtype=None, overflow_at=N
         sx, sid, sw = (t.clone() for t in staged[0])
         comm.synchronize()
         barrier.wait()
-
-        def step():
-            d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=cap, dtype=qdtype)
-            out = expert_fn(d.x, d.expert, d.scales, sx.dtype)
-            return d, out, comm.moe_combine(out, d)
-
-        step()
-        comm.synchronize()
-        barrier.wait()
-        g = torch.cuda.CUDAGraph()
-        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
-                                                           capture_error_mode="thread_local"):
-            d, out, y = step()
-        barrier.wait()
+        g, d, out, y = _capture_pair(comm, barrier, one_capture, sx, sid, sw, experts, cap, dtype=qdtype)
         results, errors = [], []
         for i, (x_i, id_i, w_i) in enumerate(staged):
             sx.copy_(x_i)
             sid.copy_(id_i)
             sw.copy_(w_i)
-            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
-                t.view(torch.uint8).fill_(0xFF)  # poison: every output the graph must write
+            _poison(d, out, y)
             g.replay()
             try:
                 comm.synchronize()
             except ps.PurlinCapacityError as e:
                 errors.append((i, e.rank, e.expert, e.count))
             barrier.wait()  # every rank's replay is done before any host copy
-            results.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
-                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank,
-                src_slot=d.src_slot, out=out, y=y).items()})
+            results.append(_replayed(d, out, y))
             barrier.wait()
         return results, errors
 
@@ -278,30 +295,17 @@ def _captured_pairs(world, xs, ids, ws, experts, cfg, max_tokens=None, replays=2
     def fn(comm):
         r, dev = comm.rank, comm.device
         x, i, w = xs[r].to(dev), ids[r].to(dev), ws[r].to(dev)
-        d = comm.moe_dispatch(x, i, w, num_experts=experts, capacity=6)
-        comm.moe_combine(d.x.clone(), d)
-        comm.synchronize()
-        barrier.wait()
-        g = torch.cuda.CUDAGraph()
-        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
-                                                           capture_error_mode="thread_local"):
-            d = comm.moe_dispatch(x, i, w, num_experts=experts, capacity=6, max_tokens=max_tokens)
-            out = expert_fn(d.x, d.expert, d.scales, x.dtype)
-            y = comm.moe_combine(out, d)
-        barrier.wait()
+        g, d, out, y = _capture_pair(comm, barrier, one_capture, x, i, w, experts, 6, max_tokens)
         results, error = [], None
         for _ in range(replays):
-            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
-                t.view(torch.uint8).fill_(0xFF)
+            _poison(d, out, y)
             g.replay()
             try:
                 comm.synchronize()
             except ps.PurlinError as e:
                 error = e
                 break
-            results.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
-                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
-                out=out, y=y).items()})
+            results.append(_replayed(d, out, y))
         barrier.wait()  # every rank's kernels have ended
         if error is not None:
             comm.close()  # broken: run_virtual's own synchronize after fn would raise the error again
@@ -363,32 +367,19 @@ def test_eager_calls_and_decode_graphs_switch_modes():
             first.append(run_rank(comm, *case, experts, barrier=barrier))
             modes.append("headers_in" in comm.moe_trace()["dispatch"])
         sx, sid, sw = (t[r].to(dev) for t in small[0])
-        d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=16)  # the captured shape, eagerly
-        comm.moe_combine(d.x.clone(), d)
-        comm.synchronize()
-        barrier.wait()
-        g = torch.cuda.CUDAGraph()
-        with one_capture, comm.capture(), torch.cuda.graph(g, stream=torch.cuda.current_stream(),
-                                                           capture_error_mode="thread_local"):
-            d = comm.moe_dispatch(sx, sid, sw, num_experts=experts, capacity=16, max_tokens=3)
-            out = expert_fn(d.x, d.expert, d.scales, sx.dtype)
-            y = comm.moe_combine(out, d)
-        barrier.wait()
+        g, d, out, y = _capture_pair(comm, barrier, one_capture, sx, sid, sw, experts, 16, max_tokens=3)
         replays, between = [], []
         for i in range(1, 3):
             sx.copy_(small[i][0][r].to(dev))
             sid.copy_(small[i][1][r].to(dev))
             sw.copy_(small[i][2][r].to(dev))
-            for t in (d.x, y, out, d.counts, d.expert, d.src_rank, d.src_slot):
-                t.view(torch.uint8).fill_(0xFF)
+            _poison(d, out, y)
             comm.synchronize()
             barrier.wait()
             g.replay()
             comm.synchronize()
             barrier.wait()
-            replays.append({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in dict(
-                x=d.x, expert=d.expert, counts=d.counts, scales=d.scales, src_rank=d.src_rank, src_slot=d.src_slot,
-                out=out, y=y).items()})
+            replays.append(_replayed(d, out, y))
             between.append(run_rank(comm, *big[i - 1], experts, barrier=barrier))
         return first, modes, replays, between
 
