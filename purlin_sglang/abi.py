@@ -106,8 +106,9 @@ MOE_TRACE_WORDS = 8
 MOE_TRACE_PHASES = {"dispatch": ("start", "put", "notify", "wait", "expand", "pad"),
                     "combine": ("start", "put_back", "notify", "wait", "reduce")}
 # The same stamps of the one-pass mode's kernels (virtual ranks: rows straight into the receivers' outputs).
-MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "counts_out", "counts_in", "put", "delivered", "pad", "received"),
-                           "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
+MOE_TRACE_PHASES_ONE_PASS = {"dispatch": ("start", "route", "counts_out", "counts_in", "put", "delivered", "pad",
+                                          "received"),
+                             "combine": ("start", "ready_out", "ready_in", "reduce", "readers_done")}
 # The same stamps of the decode mode's kernels (one round of packets an op).
 MOE_TRACE_PHASES_DECODE = {"dispatch": ("start", "route", "headers_out", "put", "headers_in", "pad", "expand"),
                            "combine": ("start", "put_back", "headers_in", "reduce")}

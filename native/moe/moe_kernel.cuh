@@ -1111,6 +1111,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
   const long long t0 = p.tokens * blockIdx.x / gridDim.x, t1 = p.tokens * (blockIdx.x + 1) / gridDim.x;
   route_counts(p, s, t0, E);
+  stamp(p, 0, 1);
   // counts out: my pointer block, then my count word to every rank, every call
   if (blockIdx.x == 0) {
     if (tid == 0) {
@@ -1124,13 +1125,13 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
     }
     count_words_out(p, s, par, e);
   }
-  stamp(p, 0, 1);
+  stamp(p, 0, 2);
   // counts in: every (receiver, producer) pair of this epoch
   for (long long i = tid; i < W * W; i += blockDim.x) {
     if (!wait_ge(p, count_word(p, i / W, par, i % W), e, 0, i % W)) s.fail = 1;
   }
   __syncthreads();  // also: block 0's count words are written before cnt is overwritten below
-  stamp(p, 0, 2);
+  stamp(p, 0, 3);
   if (!s.fail && tid < W && count_word(p, p.rank, par, tid)[2] != meta(p)) {
     record(p, kMismatch, 0, tid, -1, count_word(p, p.rank, par, tid)[2], meta(p), e, 0, true);
     s.bad = 1;
@@ -1187,10 +1188,10 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
       __syncthreads();
     }
   }
-  stamp(p, 0, 3);
+  stamp(p, 0, 4);
   // delivered: each block of my grid, its rows put, tells every rank
   arrive_all(p, p.ddone_off);
-  stamp(p, 0, 4);
+  stamp(p, 0, 5);
   if (!s.fail && !s.bad) {
     // my local experts' counts (every block: the W * L words read at once; pre is free after the puts),
     // block 0 also the out_counts and overflow records; then the padding rows, spread over the grid
@@ -1216,11 +1217,11 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
     }
   }
   __syncthreads();
-  stamp(p, 0, 5);
+  stamp(p, 0, 6);
   // wait: every producer's rows to me have landed (also after an error: the counters stay in step)
   if (!s.fail && tid < W && !wait_ge(p, ddone_word(p, p.rank, tid), e * p.blocks, 0, tid, p.blocks)) s.fail = 1;
   if (p.trace != nullptr) __syncthreads();
-  stamp(p, 0, 6);
+  stamp(p, 0, 7);
   finish(st + kDispExit, st + kDispEpoch, e);
 }
 
