@@ -11,11 +11,14 @@
   sets the first and the third, the ``test`` step of tools/gpu.sh the second.
 * ``PURLIN_FAILURE_LOG=FILE``: each failing test's report is appended to FILE as soon as it fails, so a
   run stopped before pytest's summary (a device call's budget) still says what failed and why
-  (tools/gpu.sh's ``test`` step sets it).
+  (tools/gpu.sh's ``test`` step sets it), with the process's CUDA memory and its other live threads
+  at that moment (a failure that follows from an earlier one's leak, or from a thread left running,
+  shows there).
 """
 
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -77,4 +80,21 @@ def pytest_runtest_logreport(report):
     if not path or not report.failed:
         return
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"FAILED {report.nodeid} (in {report.when})\n{report.longreprtext}\n\n")
+        f.write(f"FAILED {report.nodeid} (in {report.when})\n{report.longreprtext}\n{_process_state()}\n\n")
+
+
+def _process_state() -> str:
+    """One line each: this process's CUDA memory (when a GPU is visible) and its other live threads."""
+    lines = []
+    if torch.cuda.is_available():
+        try:
+            free, total = torch.cuda.mem_get_info()
+            gib = 1 << 30
+            lines.append(f"cuda memory: {torch.cuda.memory_allocated() / gib:.2f} GiB allocated, "
+                         f"{torch.cuda.memory_reserved() / gib:.2f} GiB reserved by torch, "
+                         f"{free / gib:.2f} of {total / gib:.2f} GiB free on the device")
+        except Exception as e:  # noqa: BLE001 - a broken context: say so and go on
+            lines.append(f"cuda memory: unknown ({e})")
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    lines.append(f"other live threads: {', '.join(others) if others else 'none'}")
+    return "\n".join(lines)
