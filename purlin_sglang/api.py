@@ -19,6 +19,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 
 from . import engines
+from .capture import capturing_here, close_deferred, collection_paused, defer_close
 from .calls import CacheInfo, CallPath, check_device, check_group, coerce_config, is_exchange, one_of
 from .collectives import (
     ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, ALL_TO_ALL_V, BROADCAST, REDUCE_SCATTER,
@@ -93,6 +94,7 @@ class Communicator:
         return self
 
     def _init(self, ws: Any, rank: int, world: int, engine: str, group: Any, *, ranks_on_gpu: int) -> None:
+        close_deferred()  # communicators dropped during an earlier capture
         self.rank, self.world_size, self.group = rank, world, group
         self.engine_name = engine
         self._moe = None
@@ -523,9 +525,16 @@ class Communicator:
         exists: calls that were not are refused with a message saying to warm up outside the
         capture (as torch symmetric memory does). Errors of replayed calls surface at the next
         eager call or :meth:`synchronize`.
+
+        Python's cyclic garbage collector is paused inside (restored when the last capture context of
+        the process exits): a collection in the middle of a capture runs the finalisers of whatever
+        unrelated objects it frees (an old CUDA graph, event or communicator), and a CUDA call made by
+        one of them from the capturing thread invalidates the capture. Enter it before
+        ``torch.cuda.graph``, as SGLang's graph runner freezes the collector around its captures.
         """
         self._check_usable("capture")
-        yield self
+        with collection_paused():
+            yield self
 
     def close(self) -> None:
         """Free this rank's resources. Not collective; safe to call twice. Every part is released even
@@ -564,6 +573,9 @@ class Communicator:
         self.close()
 
     def __del__(self) -> None:
+        if capturing_here():  # no CUDA call inside a capture: closed when the capture ends
+            defer_close(self)
+            return
         try:
             self.close()
         except Exception:

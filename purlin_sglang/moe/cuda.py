@@ -47,6 +47,7 @@ import ctypes
 import torch
 
 from .. import native
+from ..capture import capturing_here
 from ..errors import (
     PurlinBrokenError, PurlinCapacityError, PurlinCudaError, PurlinError, PurlinMismatchError, PurlinTimeoutError,
     PurlinUnavailableError, PurlinValueError,
@@ -434,7 +435,7 @@ class CudaMoE:
         """This rank's combine arguments are bad: run the combine kernel with nothing to put back, so the
         peers' combines end at once (this rank's pointer block says it rejected: they skip their
         reduce and raise at their next check) instead of waiting out the timeout; then raise ``error``."""
-        if self.layout is not None and self.region is not None and not capturing_now():
+        if self.layout is not None and self.region is not None and not capturing_here():
             p = self._params(self.layout)
             p.local, p.topk, p.tokens, p.capacity, p.dtype, p.reject = 1, 1, 0, 1, _CODES[torch.float32], 1
             p.decode = int(self.last_decode)  # the peers run the combine of the last dispatch's mode
@@ -470,7 +471,7 @@ class CudaMoE:
         p.row_ref = st.ref.data_ptr() if st.ref is not None else None
         p.decode, p.row_counts = int(st.decode), st.counts.data_ptr()
         self._launch(self.lib.moe_combine, p, op)
-        if not capturing_now():
+        if not capturing_here():
             self.check()  # an overflow or bad ids recorded by an earlier dispatch: every rank ran this call
         return y
 
@@ -478,7 +479,3 @@ class CudaMoE:
         if self._own_region is not None:
             self._own_region.close()
         self._own_region = self.region = None
-
-
-def capturing_now() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -30,7 +30,7 @@ ROOT = Path(purlin_sglang.__file__).parent
 WING = ROOT / "moe"
 BELOW = ("collectives", "snac", "engines", "memory")  # the layers the wing sits on
 # What the wing may import of the package: the layers below it, and itself.
-WING_IMPORTS = {"abi", "collectives", "config", "errors", "memory", "moe", "native"}
+WING_IMPORTS = {"abi", "capture", "collectives", "config", "errors", "memory", "moe", "native"}
 # Fields of MoEDispatch that hold a MoE part's own state of a call (the parts read them; not the Communicator's).
 DISPATCH_PRIVATE = {"_engine", "_owner"}
 
