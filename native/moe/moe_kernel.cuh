@@ -257,37 +257,21 @@ struct DispatchShared {
   int fail, bad, nbad;
 };
 
-// Every block of a dispatch, first: this call's epoch into s.e; false (the block has finished) when an earlier
-// error ended this rank's kernels.
-__device__ inline bool dispatch_begins(const PurlinMoeParams& p, DispatchShared& s) {
+// Every block of a dispatch (kind 0) or a combine (kind 1), first: this call's epoch into s_e, s_fail set
+// by an earlier fatal error, s_clear (the dispatch's bad, the combine's reject seen later) cleared; false (the
+// block has finished) when an earlier error ended this rank's kernels.
+__device__ inline bool call_begins(const PurlinMoeParams& p, int kind, long long& s_e, int& s_fail, int& s_clear) {
   long long* st = state(p);
+  long long* epoch = st + (kind == 0 ? kDispEpoch : kCombEpoch);
   if (threadIdx.x == 0) {
-    s.e = reinterpret_cast<volatile long long*>(st)[kDispEpoch] + 1;
-    s.fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s.bad = 0;
-  }
-  __syncthreads();
-  stamp(p, 0, 0);
-  if (s.fail) {
-    finish(st + kDispExit, st + kDispEpoch, s.e);
-    return false;
-  }
-  return true;
-}
-
-// Every block of a combine, first: this call's epoch into s_e, s_fail and s_rej (a peer's reject, seen
-// later) cleared; false (the block has finished) when an earlier error ended this rank's kernels.
-__device__ inline bool combine_begins(const PurlinMoeParams& p, long long& s_e, int& s_fail, int& s_rej) {
-  long long* st = state(p);
-  if (threadIdx.x == 0) {
-    s_e = reinterpret_cast<volatile long long*>(st)[kCombEpoch] + 1;
+    s_e = *reinterpret_cast<volatile long long*>(epoch) + 1;
     s_fail = reinterpret_cast<volatile long long*>(st)[kFatal] != 0;
-    s_rej = 0;
+    s_clear = 0;
   }
   __syncthreads();
-  stamp(p, 1, 0);
+  stamp(p, kind, 0);
   if (s_fail) {
-    finish(st + kCombExit, st + kCombEpoch, s_e);
+    finish(st + (kind == 0 ? kDispExit : kCombExit), epoch, s_e);
     return false;
   }
   return true;
@@ -807,7 +791,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_kernel(Purli
   __shared__ DispatchShared s;
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  if (!dispatch_begins(p, s)) return;
+  if (!call_begins(p, 0, s.e, s.fail, s.bad)) return;
   const long long e = s.e;
   const int par = int(e & 1);
   const long long W = p.world, L = p.local, E = W * L;
@@ -964,7 +948,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_kernel(Purlin
   __shared__ int s_rows[MoeConfig::kThreads], s_wcnt[MoeConfig::kWarps], s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
-  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
+  if (!call_begins(p, 1, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const long long W = p.world;
@@ -1105,7 +1089,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_one_pass_ker
   __shared__ DispatchShared s;
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  if (!dispatch_begins(p, s)) return;
+  if (!call_begins(p, 0, s.e, s.fail, s.bad)) return;
   const long long e = s.e;
   const int par = int(e & 1);
   const long long W = p.world, L = p.local, cap = p.capacity, E = W * L;
@@ -1241,7 +1225,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_one_pass_kern
   __shared__ int s_fail, s_rej;
   long long* st = state(p);
   const int tid = threadIdx.x;
-  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
+  if (!call_begins(p, 1, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const long long W = p.world;
@@ -1431,7 +1415,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_dispatch_decode_kerne
   __shared__ DispatchShared s;
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  if (!dispatch_begins(p, s)) return;
+  if (!call_begins(p, 0, s.e, s.fail, s.bad)) return;
   const long long e = s.e;
   const int par = int(e & 1);
   const snac::Epoch ep{uint32_t(e), uint32_t(e)};
@@ -1678,7 +1662,7 @@ __global__ void __launch_bounds__(MoeConfig::kThreads) moe_combine_decode_kernel
   __shared__ unsigned s_cap[PURLIN_MOE_MAX_RANKS];  // every rank's capacity (its header)
   long long* st = state(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (!combine_begins(p, s_e, s_fail, s_rej)) return;
+  if (!call_begins(p, 1, s_e, s_fail, s_rej)) return;
   const long long e = s_e;
   const int par = int(e & 1);
   const snac::Epoch ep{uint32_t(e), uint32_t(e)};
