@@ -14,6 +14,9 @@
   (tools/gpu.sh's ``test`` step sets it), with the process's CUDA memory and its other live threads
   at that moment (a failure that follows from an earlier one's leak, or from a thread left running,
   shows there).
+* ``--part K/N``: only the K-th of N contiguous parts of the collected tests, in their order (a suite
+  too long for one device call, run over N calls; a failure that needs an earlier part's state shows
+  only in a whole run).
 """
 
 import os
@@ -32,7 +35,26 @@ REQUIRED = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--part", default=None, metavar="K/N",
+                     help="run only the K-th of N contiguous parts of the collected tests, in their order")
+
+
+def _take_part(config, items) -> None:
+    spec = config.getoption("--part")
+    if spec is None:
+        return
+    m = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if m is None or not 1 <= int(m[1]) <= int(m[2]):
+        raise pytest.UsageError(f"--part wants K/N with 1 <= K <= N (got {spec!r})")
+    k, n = int(m[1]), int(m[2])
+    lo, hi = len(items) * (k - 1) // n, len(items) * k // n
+    config.hook.pytest_deselected(items=items[:lo] + items[hi:])
+    items[:] = items[lo:hi]
+
+
 def pytest_collection_modifyitems(config, items):
+    _take_part(config, items)
     if torch.cuda.is_available():
         return
     # a skipif put first on the item: pytest evaluates skipif marks before skip marks, in order, the

@@ -1,5 +1,6 @@
-"""The CI switches of tests/conftest.py: PURLIN_REQUIRE_SGLANG=1 and PURLIN_REQUIRE_GPU=1 turn the skips
-they name into failures, and leave every other skip alone (a pytest run in a subprocess)."""
+"""The switches of tests/conftest.py: PURLIN_REQUIRE_SGLANG=1 and PURLIN_REQUIRE_GPU=1 turn the skips they
+name into failures, and leave every other skip alone; --part K/N runs the K-th of N contiguous parts
+(a pytest run in a subprocess)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def test_marked_gpu_needing_two():
 '''
 
 
-def _run(tmp_path: Path, env_set: dict, files: dict | None = None) -> str:
+def _run(tmp_path: Path, env_set: dict, files: dict | None = None, args: tuple = ()) -> str:
     """pytest in a subprocess on ``files`` (name -> source) with the repo's conftest.py, no GPU visible."""
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     for name, text in (files or {"test_module_skip.py": MODULE_SKIP, "test_runtime_skips.py": RUNTIME_SKIPS}).items():
         (tmp_path / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PURLIN_REQUIRE_")}
     env.update(env_set, CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors", *args, str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return res.stdout + res.stderr
 
@@ -92,3 +93,25 @@ def test_the_gpu_skip_is_decided_once():
     repeats = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
                if re.search(r"skipif\(\s*not torch\.cuda\.is_available\(\)", p.read_text())]
     assert not unmarked and not repeats, f"without the gpu marker: {unmarked}; repeating its skip: {repeats}"
+
+
+SEVEN = {"test_first.py": "".join(f"def test_{c}():\n    pass\n\n" for c in "abc"),
+         "test_second.py": "".join(f"def test_{c}():\n    pass\n\n" for c in "defg")}
+
+
+def _ids(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "::test_" in line]
+
+
+def test_the_parts_split_the_suite_in_order(tmp_path):
+    whole = _ids(_run(tmp_path, {}, SEVEN, ("--collect-only",)))
+    assert len(whole) == 7, whole
+    parts = [_ids(_run(tmp_path, {}, SEVEN, ("--collect-only", "--part", f"{k}/3"))) for k in (1, 2, 3)]
+    assert [i for part in parts for i in part] == whole, parts  # every test once, in the suite's order
+    assert sorted(map(len, parts)) == [2, 2, 3], parts
+
+
+@pytest.mark.parametrize("spec", ["3/2", "half"])
+def test_a_bad_part_is_a_usage_error(tmp_path, spec):
+    out = _run(tmp_path, {}, SEVEN, ("--part", spec))
+    assert "--part wants K/N with 1 <= K <= N" in out and "passed" not in out, out

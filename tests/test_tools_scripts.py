@@ -119,6 +119,8 @@ def test_the_test_step_runs_tests_gpu_by_default_and_a_repeated_step_gets_its_ow
     assert cmds[1].endswith(f"benchmarks/bench_cuda_engine.py --json {out}/engine.json  > {out}/engine.log")
     assert "--world 2 --json " + str(tmp_path / "out/engine-2.json") in cmds[2]
     assert [s.split()[0] for s in steps] == ["test", "engine", "engine-2"]
+    cmds, _ = dry(tmp_path, "test", "--part", "1/2", "-x")  # options only: still tests/gpu
+    assert cmds[0].endswith(f"--tb=short --part 1/2 -x tests/gpu  > {tmp_path}/out/test.log")
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs this repository's git history")

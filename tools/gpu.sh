@@ -37,7 +37,8 @@ is a step name, attach it to its option, e.g. -kmoe):
   setup                  install the wheels, build and install this tree (python3 -m pip install
                          --no-build-isolation --no-deps --target WORK/new .), print GPU and driver
   test [PYTEST-ARGS]     the GPU tests, PURLIN_REQUIRE_GPU=1 (a GPU test that skips fails);
-                         default tests/gpu
+                         default tests/gpu; --part K/N: the K-th of N contiguous parts of them
+                         (tests/gpu with setup outlasts one 600 s call: --part 1/2, then 2/2)
   demo [ARGS]            purlin-sglang demo [ARGS] -> OUT/demo.json
   collectives [ARGS]     purlin-sglang bench collectives [ARGS] -> OUT/collectives/
   moe [ARGS]             purlin-sglang bench moe [ARGS] -> OUT/moe/
@@ -287,8 +288,9 @@ step_setup() {
 
 step_test() {
   need_build || return 1
-  local args=("$@")
-  ((${#args[@]})) || args=(tests/gpu)
+  local args=("$@") a paths=0
+  for a in "${args[@]}"; do [[ $a != -* && -e ${a%%::*} ]] && paths=1; done
+  ((paths)) || args+=(tests/gpu)  # no test path given (none, or options only: -x, --part 1/2): tests/gpu
   local failures=$OUT_DIR/$TAG-failures.log  # written as tests fail (tests/conftest.py): kept by a stop
   ((DRY)) || rm -f "$failures"
   run "$LOG" "$LOG" env PURLIN_REQUIRE_GPU=1 PURLIN_FAILURE_LOG="$failures" "$(site new)" python3 -P -m pytest -q \
