@@ -573,10 +573,10 @@ class Communicator:
         self.close()
 
     def __del__(self) -> None:
-        if capturing_here():  # no CUDA call inside a capture: closed when the capture ends
-            defer_close(self)
-            return
         try:
+            if capturing_here():  # no CUDA call inside a capture: closed when the capture ends
+                defer_close(self)
+                return
             self.close()
         except Exception:
             pass
