@@ -23,7 +23,7 @@ def collector_on():
 
 
 def test_capture_contexts_of_several_ranks_pause_the_collector_until_the_last_exits(collector_on):
-    inside, first_out, second_in = threading.Barrier(2), threading.Event(), threading.Event()
+    inside, first_out = threading.Barrier(2), threading.Event()
     seen = {}
 
     def fn(comm):
