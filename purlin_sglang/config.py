@@ -2,9 +2,11 @@
 
 Defaults are documented on each field. ``PurlinConfig.from_yaml(path)`` reads a
 YAML mapping; unknown keys and bad values, there, in ``from_dict`` or given to the constructor,
-are rejected with a :class:`~purlin_sglang.errors.PurlinConfigError` that names the key. The library
-reads no environment variables at run time; the build reads ``PURLIN_CUDA_ARCHS`` and
-``PURLIN_DISABLE_CUDA`` (CMakeLists.txt).
+are rejected with a :class:`~purlin_sglang.errors.PurlinConfigError` that names the key. No setting
+of purlin's comes from the environment at run time (the framework adapters read the frameworks' own
+deterministic-inference switches); the build reads ``PURLIN_CUDA_ARCHS``, ``PURLIN_DISABLE_CUDA``,
+``PURLIN_WITH_NVSHMEM`` and ``PURLIN_NVSHMEM_DIR`` (CMakeLists.txt, native/CMakeLists.txt,
+native/nvshmem/CMakeLists.txt).
 """
 
 from __future__ import annotations

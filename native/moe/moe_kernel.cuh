@@ -1,4 +1,4 @@
-// The MoE dispatch and combine kernels (plans: purlin_sglang/snac/moe.py). One launch per call
+// The MoE dispatch and combine kernels (plans: purlin_sglang/moe/plan.py). One launch per call
 // and rank; every block of a rank's grid runs every phase; the grids of all ranks on a GPU must be
 // co-resident (the host sizes them). All state is in device memory and carries an epoch, so a
 // captured CUDA graph replays correctly and nothing is zeroed between calls. Signals between ranks are

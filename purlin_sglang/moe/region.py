@@ -27,7 +27,7 @@ Both halves (parity = epoch & 1) make back-to-back dispatches (or combines) safe
 acknowledgement: a producer writes parity p again two calls later, after it saw, in the call
 between, its consumer's word of that call, which the consumer writes only after it finished the
 call that read parity p. Footprint: ``2*W*M*(hdr + H*e_d) + 2*M*K*H*e_x`` plus a few KiB; at
-M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in one-pass mode 8 KiB; the decode
+M 128, W 8, K 8, H 7168, bf16: 56.2 MiB (fp8 dispatch: 42.2 MiB); in one-pass mode 36 KiB; the decode
 windows add theirs (the packets' windows follow the same parity argument: every rank sends every rank
 a header packet every call and waits for all of them).
 

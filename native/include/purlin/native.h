@@ -205,7 +205,8 @@ typedef struct PurlinMoeParams {
   long long* out_ref;                  // dispatch, one pass: [T, K] (receiver << 32 | row there), -1: none
   const long long* row_ref;            // combine, one pass: the dispatch's out_ref
   // Decode mode (ABI 14): one round of flag-in-data packets an op, for a few tokens a rank (moe_kernel.cuh,
-  // "decode mode"); in either of the modes above. out_ref / row_ref then hold each slot's receiver (-1: none).
+  // "decode mode"); in either of the modes above. out_ref / row_ref then hold each slot's (receiver << 32 |
+  // its rank among my slots of its expert), -1: none.
   long long decode;                    // 1: this call runs in decode mode (every rank of the call alike)
   long long decode_tokens;             // the token slots of a decode window (tokens <= decode_tokens)
   long long win_off, win_bytes;        // dispatch windows [2 parities][world producers] x win_bytes
