@@ -2,6 +2,7 @@
 the config reaches run_virtual / Communicator (as a dict too), incl. providers this machine lacks."""
 
 import os
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -299,3 +300,22 @@ def test_every_timeout_comes_from_timeout_s():
     assert t == timeouts(2.5)
     assert (t.call_s, t.kernel_ns, t.setup_s, t.destroy_s, t.join_s) == (2.5, 2_500_000_000, 2.5, 2.5, 70.0)
     assert timeouts(0.25).destroy_s == 1.0  # the plugin's destroy barrier waits at least a second
+
+
+def test_the_shipped_config_file_lists_every_key_at_its_default():
+    # configs/purlin.yaml is the README's "every default": each key of PurlinConfig, no other, each
+    # at the value the class defaults to
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "purlin.yaml"
+    data = yaml.safe_load(path.read_text())
+
+    def keys(d, prefix=""):
+        out = set()
+        for k, v in d.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        return out
+
+    default = PurlinConfig().model_dump()
+    assert keys(data) == keys(default)
+    assert PurlinConfig.from_yaml(path) == PurlinConfig()
