@@ -229,7 +229,7 @@ serve_run() {  # one named run
     moe-tp2-purlin-eager) RUN_MODEL=$moe serve_one "$name" 2 purlin false moe-tp2-gloo-ref \
       --mem-fraction-static 0.25 --config configs/purlin-sglang-nccl-free.yaml ;;
     # expert parallelism: SGLang's own MoE path on gloo (EP shards differ from TP shards: its own
-    # reference), then purlin as the MoE dispatcher (--moe-a2a-backend none and moe: in the YAML)
+    # reference), then purlin as the MoE dispatcher (the YAML's moe-a2a-backend: purlin)
     moe-ep2-gloo-ref) RUN_MODEL=$moe serve_one "$name" 2 nccl false "" --mem-fraction-static 0.25 \
       --purlin-nccl-free --ep-size 2 --moe-a2a-backend none ;;
     moe-ep2-purlin-dispatch) RUN_MODEL=$moe serve_one "$name" 2 purlin false moe-ep2-gloo-ref \
