@@ -48,9 +48,18 @@ CAPTURES: Counter = Counter()  # group unique_name -> times purlin's capture con
 # -- the hooks ---------------------------------------------------------------------------------------
 def communicator_class(original: Callable[[], str]) -> str:
     """AROUND ``get_device_communicator_cls``: purlin's class where vLLM answers its stock CPU or CUDA
-    communicator (they behave as vLLM's own unless purlin is on); any other answer unchanged."""
+    communicator and the current vLLM config (the one its groups are built under) switches purlin on;
+    any other answer, and every answer with purlin off, unchanged: without the key vLLM builds its own
+    class (elastic EP asserts that the class is exactly ``CudaCommunicator``)."""
     name = original()
-    return STOCK.get(name, name)
+    ours = STOCK.get(name)
+    if ours is None:
+        return name
+    from vllm.config import get_current_vllm_config_or_none
+
+    from .settings import plugin_config
+
+    return ours if plugin_config(get_current_vllm_config_or_none()) is not None else name
 
 
 def platform_config(original: Callable[[Any], None], vllm_config: Any) -> None:
@@ -87,6 +96,24 @@ def graph_capture(original: Callable[..., Any], self: Any, *args: Any, **kwargs:
                 stack.enter_context(target.capture())
                 CAPTURES[name] += 1
             yield ctx
+
+
+_REFUSALS: list[str] = []  # why purlin's start-up hooks are not in effect in this process (refuse_when_on)
+
+
+def refuse(original: Callable[[Any], None], vllm_config: Any) -> None:
+    """AROUND ``check_and_update_config`` where the start-up hooks could not be put in place (another
+    vLLM version, a hook that cannot be applied; :func:`refuse_when_on`): the platform's own checks,
+    then, when the run's ``additional_config`` switches purlin on, PurlinPluginError saying why purlin
+    cannot serve it, so that such a run stops instead of running without purlin. vLLM is unchanged
+    otherwise."""
+    original(vllm_config)
+    from .settings import KEY
+
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and extra.get(KEY) not in (None, False):
+        raise PurlinPluginError(f"additional_config.{KEY} is set, but purlin's vLLM plugin is not in effect in "
+                                f"this process: {_REFUSALS[-1]}")
 
 
 def moe_kernel(original: Callable[..., None], self: Any, prepare_finalize: Any, fused_experts: Any,
@@ -153,33 +180,44 @@ HOOKS = {h.name: h for h in (
     Hook("moe_kernel", _fused_moe_kernel, "__init__", moe_kernel),
 )}
 START_UP = ("communicator_class", "platform_config", "graph_capture")
+REFUSE = Hook("refuse", _platform, "check_and_update_config", refuse)  # not in HOOKS: only where those fail
 MOE = ("moe_kernel",)
 
 
 def apply(names: tuple[str, ...]) -> None:
     """Apply the named hooks (idempotent). Raises what resolving an owner raises (ImportError ...)."""
     for name in names:
-        hook = HOOKS[name]
-        owner = hook.owner()
-        if _applied(owner, hook):
-            continue
-        raw = inspect.getattr_static(owner, hook.attr)
-        if isinstance(raw, classmethod):
-            func = raw.__func__
+        _apply(HOOKS[name])
 
-            @functools.wraps(func)
-            def wrapper(cls, *args, __func=func, __fn=hook.fn, **kwargs):
-                return __fn(__func.__get__(cls, cls), *args, **kwargs)
 
-            wrapper.__purlin_hook__ = hook.fn
-            setattr(owner, hook.attr, classmethod(wrapper))
-        else:
-            @functools.wraps(raw)
-            def wrapper(*args, __orig=raw, __fn=hook.fn, **kwargs):
-                return __fn(__orig, *args, **kwargs)
+def refuse_when_on(why: str) -> None:
+    """Make a run that switches purlin on fail at its config check with ``why`` (:func:`refuse`), where
+    the start-up hooks are not in effect. Raises what resolving the platform raises."""
+    _REFUSALS.append(why)
+    _apply(REFUSE)
 
-            wrapper.__purlin_hook__ = hook.fn
-            setattr(owner, hook.attr, wrapper)
+
+def _apply(hook: Hook) -> None:
+    owner = hook.owner()
+    if _applied(owner, hook):
+        return
+    raw = inspect.getattr_static(owner, hook.attr)
+    if isinstance(raw, classmethod):
+        func = raw.__func__
+
+        @functools.wraps(func)
+        def wrapper(cls, *args, __func=func, __fn=hook.fn, **kwargs):
+            return __fn(__func.__get__(cls, cls), *args, **kwargs)
+
+        wrapper.__purlin_hook__ = hook.fn
+        setattr(owner, hook.attr, classmethod(wrapper))
+    else:
+        @functools.wraps(raw)
+        def wrapper(*args, __orig=raw, __fn=hook.fn, **kwargs):
+            return __fn(__orig, *args, **kwargs)
+
+        wrapper.__purlin_hook__ = hook.fn
+        setattr(owner, hook.attr, wrapper)
 
 
 def _applied(owner: type, hook: Hook) -> bool:

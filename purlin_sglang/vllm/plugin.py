@@ -3,14 +3,16 @@
 vLLM calls it once in every process (API server, engine core, each worker) before any group
 exists (docs/VLLM.md, "Plugins"). It applies the start-up hooks of :mod:`.hooks`: the current
 platform's ``get_device_communicator_cls`` answers purlin's class where vLLM's answer is its stock
-CPU or CUDA communicator (:class:`~.cpu.PurlinCpuCommunicator` / :class:`~.cuda.PurlinCudaCommunicator`,
-which behave exactly as vLLM's own unless the run's ``additional_config`` has the key ``purlin``,
-:mod:`.settings`); the platform's ``check_and_update_config`` validates purlin's settings and turns
+CPU or CUDA communicator and the run's ``additional_config`` has the key ``purlin`` (:mod:`.settings`;
+:class:`~.cpu.PurlinCpuCommunicator` / :class:`~.cuda.PurlinCudaCommunicator`), vLLM's own class
+otherwise; the platform's ``check_and_update_config`` validates purlin's settings and turns
 the fused all-reduce + RMSNorm pass off when purlin is on; ``GroupCoordinator.graph_capture`` enters
 purlin's capture context. The MoE hook is applied later, where purlin's MoE is switched on
 (:mod:`.hooks`). Another platform's own communicator is left alone. It never stops vLLM: with
-another vLLM version, or a hook that cannot be applied, it logs why (a run that then switches
-purlin on fails at its config check, naming the hook); ``VLLM_PLUGINS`` can leave it out altogether.
+another vLLM version, or a hook that cannot be applied, it logs why and puts one check around the
+platform's ``check_and_update_config`` (:func:`.hooks.refuse`), so that a run that switches purlin on
+fails there, saying why, instead of running without purlin; ``VLLM_PLUGINS`` can leave it out
+altogether.
 """
 
 from __future__ import annotations
@@ -31,16 +33,24 @@ def register() -> bool:
     try:
         check_vllm()
     except PurlinPluginError as e:
-        logger.warning("purlin_sglang: %s; purlin's vLLM communicator is not installed", e)
-        return False
+        return _off(f"{e}; purlin's vLLM communicator is not installed")
     try:
         hooks.apply(hooks.START_UP)
     except Exception as e:  # noqa: BLE001 - a general plugin's exception would stop vLLM
-        logger.warning("purlin_sglang: cannot apply purlin's vLLM hooks (%s: %s); purlin stays off",
-                       type(e).__name__, e)
-        return False
+        return _off(f"cannot apply purlin's vLLM hooks ({type(e).__name__}: {e}); purlin stays off")
     gone = hooks.missing(hooks.START_UP)
     if gone:
-        logger.warning("purlin_sglang: purlin's vLLM hooks not in effect: %s", "; ".join(gone))
-        return False
+        return _off(f"purlin's vLLM hooks not in effect: {'; '.join(gone)}")
     return True
+
+
+def _off(why: str) -> bool:
+    """Log ``why``, and make a run that switches purlin on fail at its config check saying it (not run
+    without purlin); False."""
+    logger.warning("purlin_sglang: %s", why)
+    try:
+        hooks.refuse_when_on(why)
+    except Exception as e:  # noqa: BLE001 - as above: never stop vLLM here
+        logger.warning("purlin_sglang: cannot install the check that refuses additional_config.purlin either "
+                       "(%s: %s): a run that sets it runs without purlin", type(e).__name__, e)
+    return False

@@ -1,8 +1,8 @@
 """Run by the vLLM venv's python (tests/vllm/test_vllm_adapter.py): WORLD gloo ranks build vLLM
 0.33.0's own groups (init_distributed_environment, initialize_model_parallel under a VllmConfig
 whose additional_config is given as JSON), after vLLM's own load_general_plugins() (purlin's entry
-point there makes the platform answer purlin's communicator class, unless VLLM_PLUGINS leaves it
-out), run every
+point there makes the platform answer purlin's communicator class where additional_config switches
+purlin on, unless VLLM_PLUGINS leaves it out), run every
 routed collective through vLLM's GroupCoordinator and compare each with the same collective done
 by gloo on the group's CPU group (reductions summed in rank order: bitwise). Prints one JSON line: the facts of every rank.
 
@@ -27,9 +27,9 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
 
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # what every vLLM worker does first: purlin's entry point installs its class
-    facts_plugin = current_platform.get_device_communicator_cls()
+    load_general_plugins()  # what every vLLM worker does first: purlin's entry point installs its hooks
     with set_current_vllm_config(VllmConfig(additional_config=extra)):
+        facts_plugin = current_platform.get_device_communicator_cls()  # as GroupCoordinator asks it
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{os.environ['PURLIN_TEST_PORT']}")
         initialize_model_parallel(tensor_model_parallel_size=world)

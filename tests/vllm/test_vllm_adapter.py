@@ -59,8 +59,10 @@ def test_every_routed_op_through_vllms_group_coordinator_equals_gloo(world):
 
 
 def test_without_the_key_purlin_stays_out_of_the_way():
+    # vLLM builds its own class (elastic EP asserts the class is exactly vLLM's)
     for facts in run_job(2, {}):
-        assert facts["class"] == "PurlinCpuCommunicator" and not facts["purlin"], facts
+        assert facts["platform_answers"].endswith(".CpuCommunicator") and facts["class"] == "CpuCommunicator", facts
+        assert not facts["purlin"], facts
         assert all(facts["checks"].values()), facts["checks"]  # vLLM's own results, unchanged
         assert "routed" not in facts
         assert facts["vllm_lacks"] == ["all_gatherv", "reduce_scatterv"], facts  # what purlin adds on CPU
@@ -122,6 +124,43 @@ def test_the_entry_point_never_stops_another_vllm(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert plugin.register() is False
     assert "written for vllm==0.33.0; this is vllm 0.34.1" in caplog.text
+
+
+OTHER_VERSION = """
+import json, logging, sys
+import vllm
+vllm.__version__ = "0.34.1"  # as another vLLM would say
+from purlin_sglang.vllm import hooks, plugin
+from vllm.config import VllmConfig
+logging.basicConfig(level=logging.WARNING)
+facts = {"registered": plugin.register(), "missing": hooks.missing(hooks.START_UP)}
+facts["off_builds"] = type(VllmConfig(additional_config={"other": 1})).__name__
+for value in ({"timeout_s": 5}, True):
+    try:
+        VllmConfig(additional_config={"purlin": value})
+        facts.setdefault("on", []).append("built")
+    except Exception as e:
+        facts.setdefault("on", []).append(f"{type(e).__name__}: {e}")
+print("RESULT " + json.dumps(facts))
+"""
+
+
+def test_another_vllm_refuses_a_run_that_switches_purlin_on():
+    # purlin's hooks are not installed on another version; a run that asks for purlin stops at its
+    # config check saying why, instead of running without purlin; other runs are unchanged
+    py = vllm_python()
+    r = subprocess.run([py, "-c", OTHER_VERSION], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd=str(ROOT))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, (r.stdout[-2000:], r.stderr[-3000:])
+    facts = json.loads(lines[-1][len("RESULT "):])
+    assert facts["registered"] is False and facts["missing"], facts
+    assert facts["off_builds"] == "VllmConfig", facts
+    assert len(facts["on"]) == 2, facts
+    for got in facts["on"]:
+        assert got.startswith("PurlinPluginError: additional_config.purlin is set, but purlin's vLLM plugin is not "
+                              "in effect in this process: purlin's vLLM adapter is written for vllm==0.33.0; "
+                              "this is vllm 0.34.1"), got
 
 
 def test_the_entry_point_is_declared():
