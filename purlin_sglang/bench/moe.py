@@ -301,6 +301,8 @@ def make_rows(args, tokens: int, dtype_name: str, run: dict, floor: dict | None)
             row["bitwise_vs_reference"] = bitwise
             if getattr(args, "device", None) == "cuda":  # (make_rows takes any namespace with the row options)
                 row["path"] = cuda_path(args, tokens)
+        # every row has the ceiling fields: null where there is no copy rate (the CPU) or no byte count
+        row.update(ceiling_us=None, of_ceiling=None, over_ceiling_us=None)
         if nbytes is not None and med > 0:
             row["GBps"] = nbytes / med / 1e9
             if floor is not None:

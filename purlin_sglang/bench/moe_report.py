@@ -21,7 +21,7 @@ def format_table(rows: list[dict], floor: dict | None) -> str:
                 f"{r['time_us_median']:>11.1f}{r['time_us_p10']:>9.1f}{r['time_us_p90']:>9.1f}{gbps}"
                 f"{'yes' if r['correct'] else 'NO':>8}")
         if floor:
-            line += (f"{r['ceiling_us']:>9.1f}{r['of_ceiling']:>8.2f}{r['over_ceiling_us']:>8.1f}" if "ceiling_us" in r
+            line += (f"{r['ceiling_us']:>9.1f}{r['of_ceiling']:>8.2f}{r['over_ceiling_us']:>8.1f}" if r.get("ceiling_us") is not None
                      else f"{'-':>9}{'-':>8}{'-':>8}")
         line += f"{human_bytes(r['hbm_bytes']) if r['hbm_bytes'] else '-':>10}"
         lines.append(line)

@@ -40,6 +40,8 @@ def test_tiny_run_writes_json_table_and_chart(tmp_path, capsys):
     assert result["floor"] is None and result["failures"] == []
     assert "purlin    pair" in text.out and "14 of 14 results correct" in text.out
     assert "ceil us" not in text.out and "no ceiling columns" in text.out  # the CPU has no copy rate
+    for r in rows:  # ... but every row has the fields, null
+        assert r["ceiling_us"] is None and r["of_ceiling"] is None and r["over_ceiling_us"] is None, r
     assert "[4/4] tokens 5, fp8" in text.err
     pytest.importorskip("matplotlib")
     assert (out / "moe.png").stat().st_size > 0
@@ -88,11 +90,11 @@ def test_rows_against_a_copy_ceiling():
     inputs = [moe_check.Inputs(torch.zeros(1, 8), i, torch.ones(1, 2)) for i in ids]
     rank = {"ok": True, "pair_ok": True, "err": 0.0, "ratio": 0.5, "rows": 4, "hbm": 1 << 20, "moe_hbm": 1 << 19,
             "workspace": 2 << 20, "graph_calls": 10, "y": None, "dispatch": [1e-5, 2e-5], "combine": [3e-5, 1e-5],
-            "pair": [4e-5, 4e-5]}
+            "pair": [4e-5, 4e-5], "reference": [9e-5, 9e-5], "ref_ok": True, "ref_err": 0.0}
     slow = {**rank, "dispatch": [2e-5, 1e-5]}
     rows = moe.make_rows(args, 1, "bf16", {"inputs": inputs, "capacity": 16, "ranks": [rank, slow]},
                          {"copy_GBps": 1.0})
-    by_op = {r["op"]: r for r in rows}
+    by_op = {r["op"]: r for r in rows if r["impl"] == "purlin"}
     # every token goes to both ranks (experts 0,1 on rank 0; 2,3 on rank 1): 4 rows of 8 bf16
     assert by_op["dispatch"]["bytes"] == 4 * 16 and by_op["combine"]["bytes"] == 4 * 16
     assert by_op["dispatch"]["time_us_median"] == pytest.approx(20.0)  # slowest rank per iteration: 20, 20
@@ -101,7 +103,10 @@ def test_rows_against_a_copy_ceiling():
     assert by_op["pair"]["over_ceiling_us"] == pytest.approx(40.0 - by_op["pair"]["ceiling_us"])
     assert by_op["pair"]["moe_hbm_bytes"] == 1 << 19 and by_op["pair"]["capacity"] == 16
     assert by_op["pair"]["bitwise_vs_reference"] is None  # no eager results to compare
+    assert all(r["ceiling_us"] is not None for r in rows if r["impl"] == "purlin")
+    assert rows[-1]["impl"] == "torch-ref" and rows[-1]["ceiling_us"] is None  # no byte count: no ceiling
     table = moe_report.format_table(rows, {"copy_GBps": 1.0, "copy_measured": "made up"})
+    assert table.splitlines()[-3].split()[-4:-1] == ["-", "-", "-"]  # the reference's ceiling columns
     assert "ceil us" in table and "ceiling: 2 x bytes" in table and "copy bandwidth 1 GB/s (made up)" in table
 
 
