@@ -31,6 +31,7 @@ class PurlinRoutes:
                  unique_name: str = "", *args: Any, **kwargs: Any):
         super().__init__(cpu_group, device, device_group, unique_name, *args, **kwargs)
         self.purlin: Optional[RoutedCommunicator] = None
+        self._vllm_path = False  # inside vLLM's own reduce_scatterv_into_output (see there)
         self.purlin_moe: Optional[Communicator] = None  # built by moe_communicator() where self.purlin is None
         from vllm.config import get_current_vllm_config_or_none
 
@@ -114,6 +115,10 @@ class PurlinRoutes:
         return super().reduce_scatter(input_, dim)
 
     def all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[list[int]] = None) -> Any:
+        if isinstance(input_, (list, tuple)) and self.purlin is not None:
+            # vLLM's all-gather MoE exchange gathers [hidden states, weights, ids, ...] in one call: each
+            # tensor in turn (purlin's decision depends on sizes every rank knows, so ranks agree)
+            return [self.all_gatherv(t, dim, sizes) for t in input_]
         if self._along_dim0("all_gather_v", input_, dim):
             out = self.purlin.all_gather_v(input_, sizes)
             if out is not None:
@@ -121,11 +126,24 @@ class PurlinRoutes:
         return super().all_gatherv(input_, dim, sizes)
 
     def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: Optional[list[int]] = None) -> torch.Tensor:
-        if self._along_dim0("reduce_scatter_v", input_, dim):
+        if not self._vllm_path and self._along_dim0("reduce_scatter_v", input_, dim):
             out = self.purlin.reduce_scatter_v(input_, sizes)
             if out is not None:
                 return out
         return super().reduce_scatterv(input_, dim, sizes)
+
+    def reduce_scatterv_into_output(self, input_: torch.Tensor, output: torch.Tensor, dim: int = -1,
+                                    sizes: Optional[list[int]] = None) -> torch.Tensor:
+        """The all-gather MoE exchange's combine (vLLM's CUDA class reduces straight into ``output``,
+        not through ``reduce_scatterv``)."""
+        if self._along_dim0("reduce_scatter_v", input_, dim) and \
+                self.purlin.reduce_scatter_v(input_, sizes, output=output) is not None:
+            return output
+        self._vllm_path = True  # vLLM's base class goes through reduce_scatterv: not purlin a second time
+        try:
+            return super().reduce_scatterv_into_output(input_, output, dim, sizes)
+        finally:
+            self._vllm_path = False
 
     def destroy(self) -> None:
         if self.purlin_moe is not None:

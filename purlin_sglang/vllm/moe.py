@@ -63,7 +63,8 @@ def why_not(moe_config: Any, fused_experts: Any, vllm_config: Any = None) -> Opt
         return "expert parallelism is off (--enable-expert-parallel with TP > 1)"
     if p.dp_size != 1 or p.pcp_size != 1 or p.sp_size > 1:
         return (f"DP {p.dp_size}, PCP {p.pcp_size}, SP {p.sp_size}: purlin serves TP-only expert parallelism "
-                "(with DP > 1 the communicator serves vLLM's all_gatherv / reduce_scatterv exchange)")
+                "(with DP > 1 the communicator serves vLLM's all_gatherv / reduce_scatterv exchange where "
+                "routing.groups names its group, e.g. dp)")
     if p.enable_eplb or moe_config.num_logical_experts != moe_config.num_experts:
         return "EPLB / redundant experts move experts between ranks"
     if moe_config.num_experts % p.ep_size or moe_config.num_local_experts != moe_config.num_experts // p.ep_size:

@@ -98,6 +98,25 @@ def rank_main(rank: int, world: int, extra: dict) -> dict:
             check(name, call(), want, True)
         except NotImplementedError:  # vLLM's CPU communicator has no V forms; purlin serves them
             facts["vllm_lacks"].append(name)
+    # the all-gather MoE exchange's two calls (DP > 1): several tensors gathered in one call (hidden
+    # states, weights, ids), and a reduce straight into a given output
+    iv = torch.randint(0, 9, (sizes[rank], 2), generator=gen, dtype=torch.int32)
+    zo = torch.randn(sum(sizes), 5, generator=gen)
+    want_x, want_i = gloo_all_gather_v(xv, sizes), gloo_all_gather_v(iv, sizes)
+    try:
+        got = g.all_gatherv([xv, iv], 0, sizes)
+        check("all_gatherv/list/0", got[0], want_x, True)
+        check("all_gatherv/list/1", got[1], want_i, True)
+    except NotImplementedError:
+        facts["vllm_lacks"].append("all_gatherv/list")
+    want = gloo_all_reduce(zo)[lo:lo + sizes[rank]]
+    out = torch.full((sizes[rank], 5), float("nan"))
+    try:
+        ret = g.reduce_scatterv_into_output(zo.clone(), out, 0, sizes)
+        check("reduce_scatterv_into_output", out, want, True)
+        facts["checks"]["reduce_scatterv_into_output/returns_output"] = ret is out
+    except NotImplementedError:
+        facts["vllm_lacks"].append("reduce_scatterv_into_output")
     big = torch.randn(64, 1024, generator=gen)  # 256 KiB: above the routing limit the tests configure
     # (a call purlin declines runs vLLM's own path, whose order is gloo's: close, not bitwise)
     want = gloo_all_reduce(big)
