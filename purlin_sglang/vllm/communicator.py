@@ -115,7 +115,7 @@ class PurlinRoutes:
         return super().reduce_scatter(input_, dim)
 
     def all_gatherv(self, input_: Any, dim: int = 0, sizes: Optional[list[int]] = None) -> Any:
-        if isinstance(input_, (list, tuple)) and self.purlin is not None:
+        if isinstance(input_, (list, tuple)) and self.purlin is not None and not self.purlin.disabled:
             # vLLM's all-gather MoE exchange gathers [hidden states, weights, ids, ...] in one call: each
             # tensor in turn (purlin's decision depends on sizes every rank knows, so ranks agree)
             return [self.all_gatherv(t, dim, sizes) for t in input_]

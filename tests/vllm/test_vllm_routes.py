@@ -16,7 +16,7 @@ class Routed:
     """Serves when ``serve`` is true (the result: the input's first rows), counts the calls."""
 
     def __init__(self, serve: bool):
-        self.serve, self.calls, self.fallbacks = serve, Counter(), Counter()
+        self.serve, self.calls, self.fallbacks, self.disabled = serve, Counter(), Counter(), False
 
     def all_gather_v(self, inp, sizes):
         self.calls["all_gather_v"] += 1
@@ -101,3 +101,10 @@ def test_reduce_into_output_purlin_declines_asks_purlin_once():
         assert comm.purlin.calls["reduce_scatter_v"] == 1 and comm.purlin.fallbacks[("reduce_scatter_v", "size")] == 1
         assert dict(comm.vllm) == vllm_calls, comm.vllm
         assert not comm._vllm_path  # reset for the next call
+
+
+def test_a_list_goes_to_vllm_whole_when_purlin_is_disabled():
+    comm = routes(CudaLike, serve=False)
+    comm.purlin.disabled = True
+    got = comm.all_gatherv([torch.ones(2, 4), torch.zeros(2, 3)], 0, [2, 2])
+    assert len(got) == 2 and comm.vllm["all_gatherv"] == 1 and not comm.purlin.calls
