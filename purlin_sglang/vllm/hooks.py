@@ -98,7 +98,7 @@ def graph_capture(original: Callable[..., Any], self: Any, *args: Any, **kwargs:
             yield ctx
 
 
-_REFUSALS: list[str] = []  # why purlin's start-up hooks are not in effect in this process (refuse_when_on)
+_refusal = ""  # why purlin's start-up hooks are not in effect in this process (refuse_when_on)
 
 
 def refuse(original: Callable[[Any], None], vllm_config: Any) -> None:
@@ -108,12 +108,11 @@ def refuse(original: Callable[[Any], None], vllm_config: Any) -> None:
     cannot serve it, so that such a run stops instead of running without purlin. vLLM is unchanged
     otherwise."""
     original(vllm_config)
-    from .settings import KEY
+    from .settings import KEY, requested
 
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get(KEY) not in (None, False):
+    if requested(vllm_config):
         raise PurlinPluginError(f"additional_config.{KEY} is set, but purlin's vLLM plugin is not in effect in "
-                                f"this process: {_REFUSALS[-1]}")
+                                f"this process: {_refusal}")
 
 
 def moe_kernel(original: Callable[..., None], self: Any, prepare_finalize: Any, fused_experts: Any,
@@ -193,7 +192,8 @@ def apply(names: tuple[str, ...]) -> None:
 def refuse_when_on(why: str) -> None:
     """Make a run that switches purlin on fail at its config check with ``why`` (:func:`refuse`), where
     the start-up hooks are not in effect. Raises what resolving the platform raises."""
-    _REFUSALS.append(why)
+    global _refusal
+    _refusal = why
     _apply(REFUSE)
 
 

@@ -15,17 +15,21 @@ KEY = "purlin"  # the key of vLLM's additional_config that switches purlin on
 SOURCE = "--additional-config purlin"
 
 
+def requested(vllm_config: Any) -> bool:
+    """Whether the run's ``additional_config`` switches purlin on (the key, with a value other than
+    null or false), whether or not the value is valid."""
+    extra = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
+    return isinstance(extra, dict) and extra.get(KEY) not in (None, False)
+
+
 def plugin_config(vllm_config: Any) -> Optional[PluginConfig]:
     """purlin's config for this run from ``vllm_config.additional_config[KEY]``, or None (purlin off):
     a mapping of :class:`~purlin_sglang.routed.PluginConfig` keys (the communicator's config and a
     ``routing:`` section), or ``{"config": PATH}`` naming such a YAML file. A bad value raises
     PurlinConfigError naming the key."""
-    extra = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
-    if not isinstance(extra, dict) or KEY not in extra:
+    if not requested(vllm_config):
         return None
-    value = extra[KEY]
-    if value is None or value is False:
-        return None
+    value = vllm_config.additional_config[KEY]
     if value is True:
         return PluginConfig()
     if not isinstance(value, dict):
