@@ -40,6 +40,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "purlin/encoding.h"
 #include "purlin/native.h"
@@ -398,17 +399,53 @@ __device__ inline void route_chunk(const PurlinMoeParams& p, DispatchShared& s, 
 
 // ---- dispatch: rows on the wire ------------------------------------------------------------------------
 
+// A lane's running amax over the 16-byte units it reads. 16-bit elements are compared two to a
+// word in their own format (max.xorsign.abs: the larger magnitude of each pair, its sign bit not
+// meaningful and cleared at the end); a magnitude converts to float exactly, so the result is the
+// float amax of the elements, NaN ignored as fmaxf ignores it. float elements: fmaxf of |x|.
+template <class T>
+struct AbsMax {
+  unsigned w = 0;  // two 16-bit magnitudes
+  __device__ __forceinline__ static unsigned max2(unsigned a, unsigned b) {
+    unsigned d;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    } else {
+      asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    }
+    return d;
+  }
+  __device__ __forceinline__ void add(const int4& u) {
+    w = max2(w, max2(max2(static_cast<unsigned>(u.x), static_cast<unsigned>(u.y)),
+                     max2(static_cast<unsigned>(u.z), static_cast<unsigned>(u.w))));
+  }
+  __device__ __forceinline__ float value() const {
+    const unsigned m = w & 0x7fff7fffu;
+    const unsigned short lo = static_cast<unsigned short>(m), hi = static_cast<unsigned short>(m >> 16);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      return fmaxf(__bfloat162float(__ushort_as_bfloat16(lo)), __bfloat162float(__ushort_as_bfloat16(hi)));
+    } else {
+      return fmaxf(__half2float(__ushort_as_half(lo)), __half2float(__ushort_as_half(hi)));
+    }
+  }
+};
+template <>
+struct AbsMax<float> {
+  float m = 0.0f;
+  __device__ __forceinline__ void add(const int4& u) {
+    m = fmaxf(fmaxf(m, fabsf(__int_as_float(u.x))), fabsf(__int_as_float(u.y)));
+    m = fmaxf(fmaxf(m, fabsf(__int_as_float(u.z))), fabsf(__int_as_float(u.w)));
+  }
+  __device__ __forceinline__ float value() const { return m; }
+};
+
 template <class T>
 __device__ __forceinline__ float row_amax(const T* row, long long hidden, int lane) {
   constexpr int kVec = 16 / sizeof(T);
-  float m = 0.0f;
+  AbsMax<T> a;
   const int4* v = reinterpret_cast<const int4*>(row);
-  for (long long i = lane; i < hidden / kVec; i += 32) {
-    const int4 raw = v[i];
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) m = fmaxf(m, fabsf(to_f<T>(e[k])));
-  }
+  for (long long i = lane; i < hidden / kVec; i += 32) a.add(v[i]);
+  float m = a.value();
 #pragma unroll
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
@@ -417,14 +454,23 @@ __device__ __forceinline__ float row_amax(const T* row, long long hidden, int la
 // Unit u (16 bytes on the wire) of token t's row: the input's bytes, or 16 elements quantised to FP8
 // (x * inv, inv = 1 / scale, each rounded to nearest; the FP8 conversion saturating: bitwise the CPU
 // engine's quantize_fp8).
+// Two elements a conversion (cvt.rn.satfinite.e4m3x2.f32, the instruction the one-element form also
+// issues, its other half unused): element 2j in the low byte of pair j.
 template <class T>
 __device__ __forceinline__ int4 fp8_pack(const int4* raw, float inv) {  // 16 elements: sizeof(T) int4
   const T* e = reinterpret_cast<const T*>(raw);
-  int4 out;
-  unsigned char* o = reinterpret_cast<unsigned char*>(&out);
+  unsigned o[4];
 #pragma unroll
-  for (int k = 0; k < 16; ++k) o[k] = __nv_cvt_float_to_fp8(__fmul_rn(to_f<T>(e[k]), inv), __NV_SATFINITE, __NV_E4M3);
-  return out;
+  for (int k = 0; k < 4; ++k) {
+    unsigned short pair[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 f = make_float2(__fmul_rn(to_f<T>(e[4 * k + 2 * j]), inv), __fmul_rn(to_f<T>(e[4 * k + 2 * j + 1]), inv));
+      pair[j] = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
+    }
+    o[k] = static_cast<unsigned>(pair[0]) | (static_cast<unsigned>(pair[1]) << 16);
+  }
+  return make_int4(static_cast<int>(o[0]), static_cast<int>(o[1]), static_cast<int>(o[2]), static_cast<int>(o[3]));
 }
 
 // The factor a token's elements are multiplied by before their FP8 conversion: 1 / scale, correctly
@@ -462,22 +508,22 @@ struct HeldRow {
         if (u < units) raw[i * kIn + j] = src[u * kIn + j];
       }
     }
-    float m = 0.0f;
+    AbsMax<__nv_bfloat16> b;
+    AbsMax<__half> h;
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       if (gl + static_cast<long long>(i) * MoeConfig::kHeldLanes < units) {
-        if (bf16) {
-          const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw[i * kIn]);
 #pragma unroll
-          for (int k = 0; k < 16; ++k) m = fmaxf(m, fabsf(to_f(e[k])));
-        } else {
-          const __half* e = reinterpret_cast<const __half*>(&raw[i * kIn]);
-#pragma unroll
-          for (int k = 0; k < 16; ++k) m = fmaxf(m, fabsf(to_f(e[k])));
+        for (int j = 0; j < kIn; ++j) {
+          if (bf16) {
+            b.add(raw[i * kIn + j]);
+          } else {
+            h.add(raw[i * kIn + j]);
+          }
         }
       }
     }
-    return m;
+    return bf16 ? b.value() : h.value();
   }
   __device__ __forceinline__ void quantise(float scale, bool bf16, int4 (&q)[kUnits]) const {
     const float inv = fp8_inverse(scale);

@@ -245,13 +245,19 @@ def test_fp8_rows_of_model_widths(xdtype, hidden):
     """FP8 from 16-bit rows of model widths: 7168 and 8192 are read once (a group of four warps holds the row in
     registers from its amax to its quantisation; at 7168 some lanes hold fewer units than others), 8320 is past
     what the registers hold and is read twice. 150 tokens per rank (several tokens per group and block), a
-    row of zeros (scale 1) and a row whose amax is its one negative spike; bitwise the reference, scales
-    included, exact and capacity layouts."""
+    row of zeros (scale 1), a row whose amax is its one negative spike, a row of negative elements only and,
+    from fp16, a row of subnormal elements only (its amax a subnormal fp16: one that a flush to zero would
+    make a scale of 1); bitwise the reference, scales included, exact and capacity layouts."""
     world, experts, topk = 2, 8, 4
     xs, ids, ws = make_case(world, experts, topk, hidden, xdtype, 71 + hidden % 7, max_tokens=150, fixed_tokens=True)
     xs[0][3] = 0
     xs[1][5] = xs[1][5] / 100
     xs[1][5][hidden // 3] = -7.5
+    xs[0][7] = -xs[0][7].abs()
+    if xdtype == torch.float16:
+        sub = (torch.rand(hidden, generator=torch.Generator().manual_seed(hidden)) * 2 - 1) * 6e-5
+        xs[1][9] = sub.to(torch.float16)
+        assert xs[1][9].abs().max() < torch.finfo(torch.float16).smallest_normal
     _exact_and_capacity_rows(world, xs, ids, ws, experts, 150, FP8)
 
 
