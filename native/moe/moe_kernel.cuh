@@ -402,7 +402,8 @@ __device__ inline void route_chunk(const PurlinMoeParams& p, DispatchShared& s, 
 // A lane's running amax over the 16-byte units it reads. 16-bit elements are compared two to a
 // word in their own format (max.xorsign.abs: the larger magnitude of each pair, its sign bit not
 // meaningful and cleared at the end); a magnitude converts to float exactly, so the result is the
-// float amax of the elements, NaN ignored as fmaxf ignores it. float elements: fmaxf of |x|.
+// float amax of the elements (a NaN operand yields the other, as in fmaxf: PTX max without .NaN).
+// float elements: fmaxf of |x|.
 template <class T>
 struct AbsMax {
   unsigned w = 0;  // two 16-bit magnitudes
@@ -465,7 +466,8 @@ __device__ __forceinline__ int4 fp8_pack(const int4* raw, float inv) {  // 16 el
     unsigned short pair[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float2 f = make_float2(__fmul_rn(to_f<T>(e[4 * k + 2 * j]), inv), __fmul_rn(to_f<T>(e[4 * k + 2 * j + 1]), inv));
+      const int i = 4 * k + 2 * j;
+      const float2 f = make_float2(__fmul_rn(to_f<T>(e[i]), inv), __fmul_rn(to_f<T>(e[i + 1]), inv));
       pair[j] = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
     }
     o[k] = static_cast<unsigned>(pair[0]) | (static_cast<unsigned>(pair[1]) << 16);
