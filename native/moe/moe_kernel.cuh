@@ -406,6 +406,7 @@ __device__ inline void route_chunk(const PurlinMoeParams& p, DispatchShared& s, 
 // float elements: fmaxf of |x|.
 template <class T>
 struct AbsMax {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "16-bit elements (float: below)");
   unsigned w = 0;  // two 16-bit magnitudes
   __device__ __forceinline__ static unsigned max2(unsigned a, unsigned b) {
     unsigned d;
